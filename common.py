@@ -1,0 +1,376 @@
+"""What every training script shares and that does not depend on how processes are launched:
+the command line, data, models, checkpoint files and a few small helpers. Nothing runs at import."""
+import argparse
+import json
+import math
+import os
+import resource
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import BatchSampler, DataLoader
+
+
+class UsageError(Exception):
+    """Bad input: the scripts print it as one line (on rank 0 only) and exit with status 2."""
+
+
+class NonFinite(Exception):
+    """The loss became NaN/inf: every rank stops at the same step, exit status 1."""
+
+
+# ---- command line: the same flags, with the same meanings, in every script
+def get_parser(doc):
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--dataset", default="synthetic", help="synthetic (offline, MNIST-shaped), mnist, cifar10 or imagefolder")
+    a("--data-dir", default="./data", help="where mnist/cifar10 are downloaded to; for imagefolder, the folder holding train/ and val/")
+    a("--train-size", type=int, help="number of training samples (synthetic: default 10000; real data: a subset, default all)")
+    a("--val-size", type=int, help="number of validation samples (synthetic: default 2000; real data: a subset, default all)")
+    a("--image-size", type=int, default=224, help="imagefolder: images are resized to this square size")
+    a("--model", default="cnn", help="cnn (small 2-conv net) or any torchvision classification model by name, e.g. resnet18")
+    a("--epochs", type=int, default=2, help="number of passes over the training set")
+    a("--batch-size", type=int, default=64, help="batch size per process (per GPU); the global batch is this times the number of processes")
+    a("--lr", type=float, default=0.01, help="peak learning rate, for the global batch: it is NOT rescaled with the number of processes")
+    a("--optimizer", default="sgd", choices=["sgd", "adamw"], help="sgd (with --momentum) or adamw")
+    a("--momentum", type=float, default=0.9, help="SGD momentum")
+    a("--weight-decay", type=float, default=5e-4, help="weight decay")
+    a("--warmup-epochs", type=float, default=0.0, help="linear LR warmup (may be fractional), then cosine decay to 0; stepped per optimizer step")
+    a("--seed", type=int, default=0, help="seeds the model init, the synthetic data, the data order and the augmentation")
+    a("--workers", type=int, default=2, help="DataLoader worker processes for imagefolder (in-memory data needs none)")
+    a("--max-steps", type=int, help="stop after this many optimizer steps in all (quick runs, benchmarks)")
+    a("--grad-accum", type=int, default=1, help="accumulate gradients over this many micro-batches of --batch-size per optimizer step")
+    a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
+    a("--save-every", type=int, help="also write last.pt every N optimizer steps, not only at epoch ends")
+    a("--resume", help="checkpoint to continue from, or 'auto': the last.pt in --out-dir if there is one")
+    a("--weights", help="initialize the model from this state_dict or checkpoint (fine-tuning); optimizer and schedule start fresh")
+    a("--log-every", type=int, default=20, help="update the progress bar (a host sync) and check for NaN/inf every N steps")
+    a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir (needs: pip install tensorboard)")
+    a("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    a("--channels-last", action="store_true", help="channels_last memory format (faster convolutions on GPU)")
+    a("--compile", action="store_true", help="torch.compile the model")
+    a("--deterministic", action="store_true", help="no TF32, deterministic cuDNN: for comparing weights, not for speed")
+    return p
+
+
+def check_args(args):
+    """Catch bad input before anything is written; identical on every rank, so every rank stops together."""
+    for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_steps", "save_every", "train_size", "val_size", "image_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.lr < 0:
+        raise UsageError(f"--lr must not be negative, got {args.lr}")
+    if args.dataset not in ("synthetic", "mnist", "cifar10", "imagefolder"):
+        raise UsageError(f"unknown --dataset {args.dataset!r}: choose synthetic, mnist, cifar10 or imagefolder")
+    if args.model != "cnn":
+        import torchvision
+        if args.model not in torchvision.models.list_models(module=torchvision.models):
+            raise UsageError(f"unknown --model {args.model!r}: use cnn or a torchvision classification model such as resnet18")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
+    if args.tensorboard and not _has_module("tensorboard"):
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
+
+
+def _has_module(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def set_cpu_threads(local_world_size):
+    """Share the cores among the processes of this machine (torchrun does so only with several processes, srun never)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
+
+
+def set_fast_math(device, deterministic):
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not deterministic  # autotune convolutions for the fixed input shape
+        torch.backends.cudnn.deterministic = deterministic
+        torch.backends.cuda.matmul.allow_tf32 = not deterministic  # TF32 on Ampere+: ~fp32 accuracy, much faster
+        torch.backends.cudnn.allow_tf32 = not deterministic
+
+
+# ---- data
+class InMemory(torch.utils.data.Dataset):
+    """Tensors in memory. Indexed by (epoch, list of indices): one tensor index makes the whole batch,
+    no per-sample Python and no collate."""
+
+    def __init__(self, x, y, augment=False, seed=0):
+        self.x, self.y, self.augment, self.seed = x, y, augment, seed
+        self.classes = int(y.max()) + 1
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, key):
+        epoch, idx = key
+        idx = torch.as_tensor(idx)
+        x = self.x[idx]
+        if self.augment:
+            x = crop_flip(x, per_sample_random(self.seed, epoch, idx), pad=x.shape[-1] // 8)
+        return x, self.y[idx]
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """An ImageFolder decoded in DataLoader workers. Indexed by (epoch, index), so that its augmentation
+    draws from (seed, epoch, index) and not from a worker's RNG: results do not depend on --workers."""
+
+    def __init__(self, root, size, augment, seed):
+        from torchvision import datasets, transforms
+        self.folder = datasets.ImageFolder(root)
+        self.classes = len(self.folder.classes)
+        self.to_tensor = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
+                                             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+        self.augment, self.seed = augment, seed
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitem__(self, key):
+        epoch, i = key
+        path, label = self.folder.samples[i]
+        x = self.to_tensor(self.folder.loader(path).convert("RGB"))[None]
+        if self.augment:
+            x = crop_flip(x, per_sample_random(self.seed, epoch, torch.tensor([i])), pad=x.shape[-1] // 8)
+        return x[0], label
+
+
+def per_sample_random(seed, epoch, idx):
+    """A pseudo-random 31-bit integer per sample, a function of (seed, epoch, index) alone."""
+    h = (idx.long() + ((seed * 1_000_003 + epoch * 7_919) % 2**31) * 40_503) & 0x7FFFFFFF
+    for _ in range(3):
+        h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
+    return h
+
+
+def crop_flip(x, r, pad):
+    """Random crop after zero padding, and random horizontal flip, for a batch (B, C, H, W); r from per_sample_random."""
+    B, C, H, W = x.shape
+    padded = F.pad(x, (pad, pad, pad, pad))
+    dy, dx = (r >> 1) % (2 * pad + 1), (r >> 9) % (2 * pad + 1)
+    rows = dy[:, None] + torch.arange(H)
+    cols = dx[:, None] + torch.arange(W)
+    cols = torch.where((r & 1).bool()[:, None], cols.flip(1), cols)
+    out = padded[torch.arange(B)[:, None, None], :, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+def synthetic(n, seed, templates_seed):
+    """MNIST-shaped and learnable, but not trivially: 10 smooth class templates under random shifts, contrast and noise."""
+    g = torch.Generator().manual_seed(templates_seed)
+    templates = F.interpolate(torch.randn(10, 1, 7, 7, generator=g), size=28, mode="bilinear", align_corners=False)
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 10, (n,), generator=g)
+    shifts = torch.randint(0, 2**31 - 1, (n,), generator=g)
+    x = crop_flip(templates[y], shifts & ~1, pad=4)  # shift only; bit 0 (the flip) cleared
+    x = x * (0.5 + torch.rand(n, 1, 1, 1, generator=g)) + 1.2 * torch.randn(n, 1, 28, 28, generator=g)
+    return x, y
+
+
+def load_data(args, download=False):
+    """(train_set, val_set) for --dataset. With download=True (rank 0 only) fetch what is missing."""
+    d = args.dataset
+    if d == "synthetic":
+        xt, yt = synthetic(args.train_size or 10000, args.seed, args.seed)
+        xv, yv = synthetic(args.val_size or 2000, args.seed + 10**6, args.seed)
+        mean, std = xt.mean(), xt.std()
+        return InMemory((xt - mean) / std, yt), InMemory((xv - mean) / std, yv)
+    if d == "imagefolder":
+        sets = []
+        for split in ("train", "val"):
+            root = os.path.join(args.data_dir, split)
+            try:
+                sets.append(ImageFiles(root, args.image_size, augment=split == "train", seed=args.seed))
+            except (FileNotFoundError, OSError) as e:
+                raise UsageError(f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
+        if sets[0].folder.classes != sets[1].folder.classes:
+            raise UsageError(f"train/ and val/ in {args.data_dir} hold different classes: "
+                             f"{sets[0].folder.classes} vs {sets[1].folder.classes}")
+        return tuple(_subset(s, n) for s, n in zip(sets, (args.train_size, args.val_size)))
+    from torchvision import datasets
+    cls, mean, std = {"mnist": (datasets.MNIST, [0.1307], [0.3081]),
+                      "cifar10": (datasets.CIFAR10, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])}[d]
+    out = []
+    for train, n in ((True, args.train_size), (False, args.val_size)):
+        try:
+            ds = cls(args.data_dir, train=train, download=download)
+        except Exception as e:  # no network, or no files and download=False
+            raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put the "
+                             f"torchvision {cls.__name__} files under {os.path.abspath(args.data_dir)}, or use "
+                             f"--dataset synthetic, which needs no download") from None
+        x = torch.as_tensor(ds.data).float().div(255)
+        x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)  # MNIST: N,H,W; CIFAR: N,H,W,C
+        x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+        out.append(InMemory(x[:n].contiguous(), torch.as_tensor(ds.targets)[:n], augment=train and d == "cifar10", seed=args.seed))
+    return tuple(out)
+
+
+def _subset(ds, n):
+    if n is not None:
+        ds.folder.samples = ds.folder.samples[:n]
+    return ds
+
+
+class EpochBatches(BatchSampler):
+    """Batches of a sampler's indices, each key carrying the sampler's epoch (for the augmentation's seed).
+    `skip` batches are left out of the next pass only: that is how a resumed run skips what it had consumed."""
+
+    def __init__(self, sampler, batch_size, drop_last, per_sample):
+        super().__init__(sampler, batch_size, drop_last)
+        self.per_sample, self.skip = per_sample, 0
+
+    def __iter__(self):
+        epoch, skip, self.skip = getattr(self.sampler, "epoch", 0), self.skip, 0
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                yield [(epoch, j) for j in batch] if self.per_sample else (epoch, batch)
+
+
+def make_loader(ds, sampler, batch_size, drop_last, workers, pin_memory):
+    """A DataLoader over batches of `sampler`; set `loader.batches.skip` to leave out the first batches of a pass."""
+    in_memory = isinstance(ds, InMemory)
+    batches = EpochBatches(sampler, batch_size, drop_last, per_sample=not in_memory)
+    if in_memory:  # the whole batch with one tensor index, in this process
+        loader = DataLoader(ds, sampler=batches, batch_size=None)
+    else:  # files: decoded in worker processes, into pinned memory for asynchronous copies to the GPU
+        loader = DataLoader(ds, batch_sampler=batches, num_workers=workers, pin_memory=pin_memory,
+                            persistent_workers=workers > 0)
+    loader.batches = batches
+    return loader
+
+
+# ---- model
+class Net(nn.Module):
+    """The classic 2-conv net of the MNIST tutorials, without dropout; the adaptive pool lets it take any image size."""
+
+    def __init__(self, channels=1, classes=10):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(channels, 32, 3), nn.Conv2d(32, 64, 3)
+        self.pool = nn.AdaptiveMaxPool2d(12)  # = max_pool2d(2) on 28x28 inputs
+        self.fc1, self.fc2 = nn.Linear(64 * 12 * 12, 128), nn.Linear(128, classes)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv2(F.relu(self.conv1(x)))))
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def make_model(name, channels, classes):
+    if name == "cnn":
+        return Net(channels, classes)
+    import torchvision
+    model = torchvision.models.get_model(name, num_classes=classes)
+    if channels != 3:  # swap the first conv for one that takes this data's channels
+        for parent in model.modules():
+            for child_name, child in parent.named_children():
+                if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                    setattr(parent, child_name, nn.Conv2d(channels, child.out_channels, child.kernel_size, child.stride,
+                                                          child.padding, bias=child.bias is not None))
+                    return model
+    return model
+
+
+def lr_schedule(warmup_steps, total_steps):
+    """Multiplier of the peak LR at each optimizer step: linear warmup, then cosine decay to 0."""
+    def f(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
+    return f
+
+
+def make_optimizer(args, model):
+    fused = dict(foreach=True)
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay, **fused)
+
+
+# ---- checkpoints and metrics
+def save_atomic(obj, path):
+    """Write to a temporary file in the same folder, fsync, then rename over `path`:
+    a process killed mid-save leaves the previous file intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path, model):
+    """Read a checkpoint (or a bare state_dict) on this rank and check that it fits `model`."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no such checkpoint: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # CPU: no memory on GPU 0; weights_only: no code
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
+    expected = model.state_dict()
+    if not isinstance(state, dict) or {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)} != \
+            {k: tuple(v.shape) for k, v in expected.items()}:
+        raise UsageError(f"{path} does not hold weights of this --model (names or shapes differ)")
+    return ckpt if "model" in ckpt else {"model": ckpt}
+
+
+def append_metrics(out_dir, row, keep_until_epoch=None):
+    """One JSON line per epoch. keep_until_epoch: on resume, first drop rows the checkpoint does not cover."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if keep_until_epoch is not None:
+        rows = []
+        if os.path.exists(path):
+            rows = [r for r in map(json.loads, open(path).read().splitlines()) if r["epoch"] <= keep_until_epoch]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if row is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def tensorboard_writer(out_dir):
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(out_dir)
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def on_rank0(fn, rank):
+    """fn() on rank 0 only (rank 0 decides and reads; nodes need not share a filesystem). Its UsageError is raised
+    on every rank, so that no rank is left waiting in a collective for one that failed."""
+    import torch.distributed as dist
+    result, error = None, [None]
+    if rank == 0:
+        try:
+            result = fn()
+        except UsageError as e:
+            error = [str(e)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return result
+
+
+def find_checkpoint(resume, out_dir, model):
+    """The checkpoint --resume names, read and checked against `model`, or None for a fresh start."""
+    if not resume:
+        return None
+    path = os.path.join(out_dir, "last.pt") if resume == "auto" else resume
+    if resume == "auto" and not os.path.exists(path):
+        return None
+    ckpt = load_checkpoint(path, model)
+    if "optimizer" not in ckpt:
+        raise UsageError(f"{path} holds weights only, not a training state to resume: use --weights {path}")
+    return ckpt
