@@ -100,7 +100,7 @@ class InMemory(torch.utils.data.Dataset):
 
     def __init__(self, x, y, augment=False, seed=0):
         self.x, self.y, self.augment, self.seed = x, y, augment, seed
-        self.classes = int(y.max()) + 1
+        self.classes, self.channels = int(y.max()) + 1, x.shape[1]
 
     def __len__(self):
         return len(self.y)
@@ -121,7 +121,7 @@ class ImageFiles(torch.utils.data.Dataset):
     def __init__(self, root, size, augment, seed):
         from torchvision import datasets, transforms
         self.folder = datasets.ImageFolder(root)
-        self.classes = len(self.folder.classes)
+        self.classes, self.channels = len(self.folder.classes), 3
         self.to_tensor = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
                                              transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
         self.augment, self.seed = augment, seed
@@ -198,9 +198,9 @@ def load_data(args, download=False):
         try:
             ds = cls(args.data_dir, train=train, download=download)
         except Exception as e:  # no network, or no files and download=False
-            raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put the "
-                             f"torchvision {cls.__name__} files under {os.path.abspath(args.data_dir)}, or use "
-                             f"--dataset synthetic, which needs no download") from None
+            where = os.path.join(args.data_dir, *(("MNIST", "raw") if d == "mnist" else ("cifar-10-batches-py",)))
+            raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put its "
+                             f"files in {where}, or use --dataset synthetic, which needs no download") from None
         x = torch.as_tensor(ds.data).float().div(255)
         x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)  # MNIST: N,H,W; CIFAR: N,H,W,C
         x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]

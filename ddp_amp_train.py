@@ -94,8 +94,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
 
     # ---- model: build it the same on every rank, load weights on rank 0; DDP broadcasts rank 0's at wrapping
     torch.manual_seed(args.seed)
-    channels = train_set[(0, [0])][0].shape[1]
-    raw_model = common.make_model(args.model, channels, train_set.classes)
+    raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
     if args.weights:
         common.on_rank0(lambda: raw_model.load_state_dict(common.load_checkpoint(args.weights, raw_model)["model"]), rank)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it

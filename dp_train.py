@@ -75,8 +75,7 @@ def main(args):
 
     # ---- model
     torch.manual_seed(args.seed)
-    channels = train_set[(0, [0])][0].shape[1]
-    raw_model = common.make_model(args.model, channels, train_set.classes)
+    raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
     if args.weights:
         raw_model.load_state_dict(common.load_checkpoint(args.weights, raw_model)["model"])
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format

@@ -1,0 +1,170 @@
+"""Each script end to end on CPU/gloo: it learns, prints from rank 0 only, and writes metrics.jsonl and last.pt
+in the collection's formats; the mnist and imagefolder loaders on tiny files written here."""
+import os
+import struct
+
+import pytest
+import torch
+
+from conftest import checkpoint, metrics, run, summary_lines
+
+SMALL = ["--train-size", 3072, "--val-size", 500, "--epochs", 2, "--log-every", 10]
+SCRIPTS = {  # name: (script, launcher, processes, extra args); the global batch is 64 everywhere
+    "dp": ("dp_train.py", "python", None, ["--batch-size", 64]),
+    "launch": ("ddp_launch_train.py", "torchrun", 2, ["--batch-size", 32]),
+    "spawn": ("ddp_spawn_train.py", "python", None, ["--batch-size", 32]),  # its default: 2 CPU processes
+    "amp": ("ddp_amp_train.py", "torchrun", 2, ["--batch-size", 32, "--precision", "bf16"]),
+}
+HEADER = {"dp": "dp: ", "launch": "ddp: ", "spawn": "ddp: ", "amp": "ddp bf16: "}
+
+
+@pytest.fixture(scope="session")
+def script_run(session_dir):
+    """One small run of each script, made on first use and shared by the tests below."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            script, launcher, nproc, extra = SCRIPTS[name]
+            out = str(session_dir / f"small_{name}")
+            done[name] = run(script, *SMALL, *extra, "--out-dir", out, launcher=launcher, nproc=nproc), out
+        return done[name]
+    return get
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_learns_and_logs_once(script_run, name):
+    proc, out = script_run(name)
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1]["val_acc"] > 0.85, rows  # chance is 0.1
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] < 2.3
+    assert all(r["val_count"] == 500 for r in rows)  # every validation sample counted exactly once
+    # only rank 0 printed: one header and one summary line per epoch, no matter how many processes
+    assert sum(line.startswith(HEADER[name]) for line in proc.stdout.splitlines()) == 1, proc.stdout
+    assert len(summary_lines(proc.stdout)) == 2, proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_metrics_format(script_run, name):
+    _, out = script_run(name)
+    for row in metrics(out):
+        for key in ("epoch", "train_loss", "val_loss", "val_acc", "lr", "samples_per_s", "epoch_time_s",
+                    "world_size", "peak_mem_mb"):
+            assert key in row, key
+        assert row["world_size"] == (1 if name == "dp" else 2)
+        assert row["samples_per_s"] > 0 and row["peak_mem_mb"] > 0
+    assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_checkpoint_format(script_run, name):
+    import common
+    _, out = script_run(name)
+    ckpt = checkpoint(out)  # weights_only=True: plain tensors and plain types only
+    assert {"model", "optimizer", "scheduler", "epoch", "step_in_epoch", "args"} <= ckpt.keys()
+    assert ckpt["epoch"] == 2 and ckpt["step_in_epoch"] == 0
+    names = list(common.make_model("cnn", 1, 10).state_dict())
+    assert list(ckpt["model"]) == names  # no module. or _orig_mod. prefixes
+    assert set(ckpt["optimizer"]["state"]) == set(names)  # optimizer state keyed by parameter name
+    assert all("momentum_buffer" in s for s in ckpt["optimizer"]["state"].values())
+    assert ckpt["optimizer"]["param_groups"][0]["params"] == names
+    assert ckpt["args"]["batch_size"] == SCRIPTS[name][3][1] and isinstance(ckpt["args"], dict)
+    assert ("scaler" in ckpt) == (name == "amp")
+    model = common.make_model("cnn", 1, 10)
+    model.load_state_dict(ckpt["model"])  # loads into a plain model, strict
+
+
+def test_default_run_reaches_95_percent(tmp_path):
+    """The README's first command, as is: 2 CPU processes, synthetic data, 2 epochs."""
+    proc = run("ddp_spawn_train.py", "--out-dir", tmp_path, env={"OMP_NUM_THREADS": "1"})
+    rows = metrics(str(tmp_path))
+    assert len(rows) == 2 and rows[-1]["val_acc"] >= 0.95, rows
+    assert rows[-1]["world_size"] == 2 and rows[-1]["val_count"] == 2000
+    assert len(summary_lines(proc.stdout)) == 2
+
+
+def _synthetic_uint8(n, seed):
+    import common
+    x, y = common.synthetic(n, seed, 0)
+    x = ((x.clamp(-2.5, 2.5) + 2.5) / 5 * 255).to(torch.uint8)[:, 0]
+    return x, y
+
+
+def _write_idx(path, tensor, magic):
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in tensor.shape))
+        f.write(tensor.numpy().tobytes())
+
+
+def test_mnist_files(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n, seed in (("train", 1024, 1), ("t10k", 200, 2)):
+        x, y = _synthetic_uint8(n, seed)
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", x, 2051)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", y.to(torch.uint8), 2049)
+    out = tmp_path / "out"
+    run("dp_train.py", "--dataset", "mnist", "--data-dir", tmp_path, "--epochs", 2, "--val-size", 150, "--batch-size", 16,
+        "--out-dir", out)
+    rows = metrics(str(out))
+    assert rows[-1]["val_count"] == 150  # --val-size takes a subset of the real set
+    assert rows[-1]["val_acc"] > 0.5, rows
+
+
+def test_mnist_missing_says_how_to_fix(tmp_path):
+    p = run("ddp_launch_train.py", "--dataset", "mnist", "--data-dir", tmp_path, "--out-dir", tmp_path / "out",
+            launcher="torchrun", nproc=2, check=False)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--dataset synthetic" in errors[0] and "MNIST" in errors[0], p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def write_imagefolder(root, per_class_train=24, per_class_val=7, size=20):
+    """Three classes that differ in colour and position of a square, with noise."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", per_class_train), ("val", per_class_val)):
+        for c, name in enumerate(["circle", "square", "triangle"]):
+            os.makedirs(os.path.join(root, split, name), exist_ok=True)
+            for i in range(n):
+                img = torch.rand(size, size, 3, generator=g) * 0.4
+                img[4 + 3 * c:12 + 3 * c, 2:10, c] += 0.6
+                Image.fromarray((img.clamp(0, 1) * 255).to(torch.uint8).numpy()).save(
+                    os.path.join(root, split, name, f"{i}.png"))
+
+
+def test_imagefolder(tmp_path):
+    write_imagefolder(tmp_path / "data")
+    out = tmp_path / "out"
+    run("ddp_launch_train.py", "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--image-size", 16,
+        "--batch-size", 8, "--epochs", 6, "--lr", 0.05, "--workers", 2, "--out-dir", out)
+    rows = metrics(str(out))
+    assert rows[-1]["val_count"] == 21
+    assert rows[-1]["val_acc"] > 0.6, rows  # chance is 1/3
+    assert checkpoint(str(out))["model"]["conv1.weight"].shape[1] == 3  # RGB
+
+
+def test_dp_model_with_loss_matches_plain_loss():
+    """What dp_train.py's replicas return adds up to the usual mean loss over the whole batch."""
+    import torch.nn.functional as F
+
+    import common
+    import dp_train
+    torch.manual_seed(0)
+    model = common.make_model("cnn", 1, 10)
+    x, y = torch.randn(10, 1, 28, 28), torch.randint(0, 10, (10,))
+    # two replicas, each with its part of the batch, as DataParallel splits it over two GPUs
+    parts = [dp_train.ModelWithLoss(model)(x[s], y[s]) for s in (slice(0, 6), slice(6, 10))]
+    loss_sum = sum(p[0] for p in parts).squeeze()
+    correct = sum(p[1] for p in parts).squeeze()
+    out = model(x)
+    torch.testing.assert_close(loss_sum / 10, F.cross_entropy(out, y))
+    assert correct.item() == (out.argmax(1) == y).sum().item()
+
+
+def test_dp_gpus_without_gpu_is_one_clear_line(tmp_path):
+    p = run("dp_train.py", "--gpus", "0,1", "--out-dir", tmp_path, check=False)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --gpus"), p.stderr
