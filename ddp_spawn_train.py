@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
@@ -95,9 +96,10 @@ def main(rank, world_size, args):
     dist.broadcast_object_list(meta, src=0)
     meta = meta[0] or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
     if "scheduler" in meta:
-        set_state_dict(raw_model, optimizer, model_state_dict=ckpt["model"] if master else {},
-                       optim_state_dict=ckpt["optimizer"] if master else {},
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(raw_model, ckpt["model"] if master else {}, options=options)
+        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"] if master else {}, options=options)
         scheduler.load_state_dict(meta["scheduler"])
     del ckpt
     start_epoch, step_in_epoch = meta["epoch"], meta["step_in_epoch"]

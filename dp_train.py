@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
@@ -104,8 +105,9 @@ def main(args):
     ckpt = common.find_checkpoint(args.resume, out_dir, raw_model)
     meta = ckpt or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
     if ckpt:
-        set_state_dict(raw_model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
+        set_model_state_dict(raw_model, ckpt["model"], options=options)
+        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
         scheduler.load_state_dict(meta["scheduler"])
     start_epoch, step_in_epoch = meta["epoch"], meta["step_in_epoch"]
     step = start_epoch * steps_per_epoch + step_in_epoch

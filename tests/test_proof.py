@@ -1,0 +1,233 @@
+"""Proof of correctness: one seed, every launch style, every world size, one answer.
+
+Runs are tiny (384 samples, global batch 24: 16 steps an epoch, 3 epochs = 48 steps) and shared between tests.
+Threads are 1 per process everywhere (conftest.run), because the thread count alone changes the weights by ~1e-5.
+Tolerance: max-abs 1e-4 on the weights (measured differences between world sizes are reported in the README);
+each comparison also checks that it can fail: the weights moved by >= 1e-2 from their initial values, and a run
+with another seed lands >= 100x the tolerance away.
+"""
+import os
+import shutil
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import checkpoint, max_diff, metrics, run
+
+TOL = 1e-4
+BASE = ["--train-size", 384, "--val-size", 101, "--epochs", 3, "--log-every", 8]
+GLOBAL_BATCH = 24
+
+
+def per_process(n, accum=1):
+    return ["--batch-size", GLOBAL_BATCH // n // accum] + (["--grad-accum", accum] if accum > 1 else [])
+
+
+RUNS = {  # name: (script, launcher, processes, extra args)
+    **{f"launch{n}": ("ddp_launch_train.py", "torchrun", n, per_process(n)) for n in (1, 2, 3)},
+    **{f"spawn{n}": ("ddp_spawn_train.py", "python", n, per_process(n)) for n in (1, 2, 3)},
+    "dp": ("dp_train.py", "python", None, per_process(1)),
+    "amp_fp32": ("ddp_amp_train.py", "torchrun", 2, per_process(2) + ["--precision", "fp32"]),
+    "accum1": ("ddp_launch_train.py", "torchrun", 1, per_process(1, accum=2)),
+    "accum2": ("ddp_launch_train.py", "torchrun", 2, per_process(2, accum=2)),
+    "seed1": ("ddp_launch_train.py", "torchrun", 1, per_process(1) + ["--seed", 1]),
+}
+
+
+@pytest.fixture(scope="session")
+def proof_run(session_dir):
+    done = {}
+
+    def get(name, *more):
+        if name not in done:
+            script, launcher, nproc, extra = RUNS[name]
+            out = str(session_dir / f"proof_{name}")
+            run(script, *BASE, *extra, *more, "--out-dir", out, launcher=launcher, nproc=nproc)
+            done[name] = out
+        return done[name]
+    return get
+
+
+def initial_weights(seed=0):
+    import common
+    torch.manual_seed(seed)
+    return common.make_model("cnn", 1, 10).state_dict()
+
+
+def assert_same_weights(a, b, proof_run):
+    """a and b (state dicts) agree within TOL, and the comparison is one that could fail."""
+    diff = max_diff(a, b)
+    assert diff <= TOL, f"weights differ by {diff:.3g} > {TOL}"
+    assert max_diff(a, initial_weights()) >= 1e-2  # training moved them
+    assert max_diff(a, checkpoint(proof_run("seed1"))["model"]) >= 100 * TOL  # a real difference shows
+    return diff
+
+
+@pytest.mark.parametrize("script", ["launch", "spawn"])
+def test_world_size_invariance(proof_run, script):
+    ref = checkpoint(proof_run(f"{script}1"))
+    assert ref["epoch"] == 3
+    for n in (2, 3):
+        assert_same_weights(checkpoint(proof_run(f"{script}{n}"))["model"], ref["model"], proof_run)
+
+
+def test_launch_style_invariance(proof_run):
+    ref = checkpoint(proof_run("launch2"))["model"]
+    for name in ("dp", "spawn2", "amp_fp32"):
+        assert_same_weights(checkpoint(proof_run(name))["model"], ref, proof_run)
+
+
+def test_grad_accumulation(proof_run):
+    assert_same_weights(checkpoint(proof_run("accum1"))["model"], checkpoint(proof_run("launch1"))["model"], proof_run)
+    assert_same_weights(checkpoint(proof_run("accum2"))["model"], checkpoint(proof_run("launch2"))["model"], proof_run)
+
+
+def single_process_eval(out_dir):
+    """Evaluate last.pt in this process, on the whole validation set, with no distributed code at all."""
+    import common
+    ckpt = checkpoint(out_dir)
+    args = types.SimpleNamespace(**ckpt["args"])
+    _, val_set = common.load_data(args)
+    model = common.make_model(args.model, val_set.channels, val_set.classes)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    with torch.no_grad():
+        x, y = val_set[(0, list(range(len(val_set))))]
+        out = model(x)
+    return F.cross_entropy(out, y, reduction="sum").item() / len(y), (out.argmax(1) == y).sum().item() / len(y), len(y)
+
+
+@pytest.mark.parametrize("name", ["launch2", "launch3", "spawn3"])
+def test_exact_evaluation(proof_run, name):
+    row = metrics(proof_run(name))[-1]
+    loss, acc, count = single_process_eval(proof_run(name))
+    assert row["val_count"] == count == 101  # 101 samples on 2 and 3 processes: none dropped, none counted twice
+    assert row["val_acc"] == acc
+    assert row["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_exact_evaluation_batchnorm(tmp_path, nproc):
+    """resnet18 has BatchNorm: after training, each rank's running statistics differ."""
+    run("ddp_launch_train.py", "--model", "resnet18", "--train-size", 96, "--val-size", 101, "--epochs", 1,
+        "--batch-size", 24 // nproc, "--out-dir", tmp_path, launcher="torchrun", nproc=nproc)
+    row = metrics(str(tmp_path))[-1]
+    loss, acc, count = single_process_eval(str(tmp_path))
+    assert row["val_count"] == count == 101
+    assert row["val_acc"] == acc
+    assert row["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def strip_timings(rows):
+    timing = {"samples_per_s", "epoch_time_s", "eval_time_s", "first_step_time", "peak_mem_mb"}
+    return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+
+def assert_same_metrics(a, b):
+    assert len(a) == len(b)
+    for ra, rb in zip(strip_timings(a), strip_timings(b)):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-9, abs=1e-12), (k, ra, rb)
+
+
+def resume_case(tmp_path, first, then, stop_at):
+    """Run `first` (name in RUNS) until optimizer step `stop_at`, then continue it with `then`'s launch and args."""
+    script, launcher, nproc, extra = RUNS[first]
+    run(script, *BASE, *extra, "--max-steps", stop_at, "--save-every", 4, "--out-dir", tmp_path, launcher=launcher, nproc=nproc)
+    stopped = checkpoint(str(tmp_path))
+    script, launcher, nproc, extra = RUNS[then]
+    run(script, *BASE, *extra, "--resume", "auto", "--out-dir", tmp_path, launcher=launcher, nproc=nproc)
+    return stopped, checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("name,stop_at", [("launch1", 32), ("launch2", 32), ("launch2", 40)])
+def test_exact_resume(proof_run, tmp_path, name, stop_at):
+    """2 epochs, stop, resume for the 3rd (stop_at 32); or from a checkpoint in the middle of epoch 3 (40)."""
+    stopped, resumed = resume_case(tmp_path, name, name, stop_at)
+    assert (stopped["epoch"], stopped["step_in_epoch"]) == divmod(stop_at, 16)
+    straight = checkpoint(proof_run(name))
+    for k in straight["model"]:  # same processes, same operations: bit for bit
+        assert torch.equal(resumed["model"][k], straight["model"][k]), k
+    for k, state in straight["optimizer"]["state"].items():
+        assert torch.equal(resumed["optimizer"]["state"][k]["momentum_buffer"], state["momentum_buffer"]), k
+    assert resumed["scheduler"] == straight["scheduler"]
+    assert_same_metrics(metrics(str(tmp_path)), metrics(proof_run(name)))
+
+
+def test_resume_with_other_world_size(proof_run, tmp_path):
+    """Stopped in the middle of epoch 3 with 2 processes, resumed with 1 (the same global batch)."""
+    _, resumed = resume_case(tmp_path, "launch2", "launch1", 40)
+    assert_same_weights(resumed["model"], checkpoint(proof_run("launch1"))["model"], proof_run)
+    for k, state in checkpoint(proof_run("launch1"))["optimizer"]["state"].items():
+        assert (resumed["optimizer"]["state"][k]["momentum_buffer"] - state["momentum_buffer"]).abs().max() <= TOL
+    rows = metrics(str(tmp_path))
+    assert [r["world_size"] for r in rows] == [2, 2, 1]
+    assert_same_metrics([{**r, "world_size": 0} for r in rows][:2], [{**r, "world_size": 0} for r in metrics(proof_run("launch2"))][:2])
+
+
+def test_resume_across_scripts(proof_run, tmp_path):
+    """A last.pt of dp_train.py, continued by ddp_launch_train.py on 2 processes."""
+    _, resumed = resume_case(tmp_path, "dp", "launch2", 32)
+    assert_same_weights(resumed["model"], checkpoint(proof_run("launch2"))["model"], proof_run)
+
+
+def test_sample_order_per_epoch(tmp_path):
+    """set_epoch: epoch 2's global order differs from epoch 1's, and equals what a fresh process draws for epoch 2.
+    With --lr 0 nothing trains, so an epoch's train_loss tells which samples it used: 390 samples in batches of 24
+    leave 6 out, a different 6 in every epoch."""
+    lr0 = ["--train-size", 390, "--val-size", 50, "--lr", 0, "--epochs", 2]
+    run("ddp_launch_train.py", *lr0, *per_process(2), "--out-dir", tmp_path / "a", launcher="torchrun", nproc=2)
+    e1, e2 = (r["train_loss"] for r in metrics(str(tmp_path / "a")))
+    assert abs(e1 - e2) > 1e-4 * e1  # another order (other samples dropped) in epoch 2
+    run("ddp_launch_train.py", *lr0, *per_process(1), "--max-steps", 16, "--out-dir", tmp_path / "b")
+    run("ddp_launch_train.py", *lr0, *per_process(1), "--resume", "auto", "--out-dir", tmp_path / "b")
+    fresh = metrics(str(tmp_path / "b"))
+    assert fresh[0]["train_loss"] == pytest.approx(e1, rel=1e-6)
+    assert fresh[1]["train_loss"] == pytest.approx(e2, rel=1e-6)  # a fresh process, 1 rank instead of 2
+
+
+AMP = ["--train-size", 3072, "--val-size", 1000, "--epochs", 2, "--batch-size", 32, "--lr", 0.05]
+
+
+def test_mixed_precision_accuracy(session_dir):
+    acc = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        out = str(session_dir / f"amp_acc_{precision}")
+        run("ddp_amp_train.py", *AMP, "--precision", precision, "--out-dir", out, launcher="torchrun", nproc=2)
+        acc[precision] = metrics(out)[-1]["val_acc"]
+    assert acc["fp32"] > 0.95, acc
+    assert abs(acc["bf16"] - acc["fp32"]) <= 0.01, acc
+    assert abs(acc["fp16"] - acc["fp32"]) <= 0.01, acc
+
+
+def test_fp16_scaler_survives_resume(tmp_path):
+    args = ["--train-size", 256, "--val-size", 32, "--batch-size", 32, "--precision", "fp16"]
+    run("ddp_amp_train.py", *args, "--max-steps", 4, "--out-dir", tmp_path / "straight")
+    run("ddp_amp_train.py", *args, "--max-steps", 2, "--out-dir", tmp_path / "resumed")
+    run("ddp_amp_train.py", *args, "--max-steps", 4, "--resume", "auto", "--out-dir", tmp_path / "resumed")
+    straight, resumed = checkpoint(str(tmp_path / "straight")), checkpoint(str(tmp_path / "resumed"))
+    assert straight["scaler"]["_growth_tracker"] == 4  # 4 steps without overflow: the scaler counted them all
+    assert resumed["scaler"] == straight["scaler"]
+    for k in straight["model"]:
+        assert torch.equal(resumed["model"][k], straight["model"][k]), k
+
+
+def test_workers_do_not_change_results(tmp_path):
+    from test_scripts import write_imagefolder
+    write_imagefolder(tmp_path / "data")
+    args = ["--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--image-size", 16, "--batch-size", 8,
+            "--epochs", 2]
+    for w in (0, 2):
+        run("ddp_launch_train.py", *args, "--workers", w, "--out-dir", tmp_path / f"w{w}")
+    a, b = checkpoint(str(tmp_path / "w0"))["model"], checkpoint(str(tmp_path / "w2"))["model"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # and the augmentation is really on, drawn from (seed, epoch, index) alone
+    import common
+    ds = common.ImageFiles(str(tmp_path / "data" / "train"), 16, augment=True, seed=0)
+    views = [ds[(epoch, i)][0] for epoch in (0, 1) for i in range(8)]
+    assert sum(not torch.equal(views[i], views[8 + i]) for i in range(8)) >= 6  # epoch 2 crops/flips differently
+    assert all(torch.equal(ds[(1, i)][0], views[8 + i]) for i in range(8))  # and the same again when asked again
