@@ -293,11 +293,16 @@ def save_atomic(obj, path):
     """Write to a temporary file in the same folder, fsync, then rename over `path`:
     a process killed mid-save leaves the previous file intact."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # interrupted (SIGTERM, Ctrl-C, full disk): leave no partial file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(fd)  # make the rename itself durable

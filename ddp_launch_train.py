@@ -11,6 +11,7 @@ SLURM_LOCALID. Each process trains on its shard of every global batch; DDP avera
 import contextlib
 import datetime
 import os
+import signal
 import re
 import sys
 import time
@@ -148,7 +149,8 @@ def main(args, rank, world_size, local_rank, local_world_size):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # this rank's sum of step losses, this epoch
         if master and epoch == start_epoch:  # a resumed epoch: what the saved part of it added, as if on this rank
             loss_sum += meta["loss_sum"] * world_size
-        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}", leave=False)
+        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}",
+                   leave=False, file=sys.stdout)
         t0 = None
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
@@ -253,6 +255,8 @@ if __name__ == "__main__":
     parser.add_argument("--local_rank", "--local-rank", type=int, help="ignored: the rank comes from LOCAL_RANK (accepted for the old torch.distributed.launch)")
     args = parser.parse_args()
     rank, world_size, local_rank, local_world_size = launcher_env()
+    # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         main(args, rank, world_size, local_rank, local_world_size)
     except (common.UsageError, common.NonFinite) as e:

@@ -9,6 +9,7 @@ waits; a child that fails ends the others. For several machines, use ddp_launch_
 import contextlib
 import datetime
 import os
+import signal
 import socket
 import sys
 import time
@@ -131,7 +132,8 @@ def main(rank, world_size, args):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # this rank's sum of step losses, this epoch
         if master and epoch == start_epoch:  # a resumed epoch: what the saved part of it added, as if on this rank
             loss_sum += meta["loss_sum"] * world_size
-        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}", leave=False)
+        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}",
+                   leave=False, file=sys.stdout)
         t0 = None
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
@@ -231,6 +233,7 @@ def evaluate(model, loader, device, memory_format):
 
 def worker(rank, world_size, args):
     """The body of each child process."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind through `finally`
     try:
         main(rank, world_size, args)
     except (common.UsageError, common.NonFinite) as e:
@@ -259,7 +262,18 @@ if __name__ == "__main__":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    children = mp.spawn(worker, args=(nprocs, args), nprocs=nprocs, join=False)
+    # SIGTERM or Ctrl-C to this parent: end the children too, never leave them running as orphans
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        mp.spawn(worker, args=(nprocs, args), nprocs=nprocs)  # if one child fails, spawn ends the others
-    except mp.ProcessExitedException as e:  # the child already said why
+        while not children.join():  # if one child fails, join ends the others and raises
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2):  # 1, 2: the child printed why already; else it was killed: say so
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+    finally:
+        for child in children.processes:
+            if child.is_alive():
+                child.terminate()
+            child.join()

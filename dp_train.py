@@ -137,7 +137,8 @@ def main(args):
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # the sum of step losses, this epoch
         if master and epoch == start_epoch:  # a resumed epoch: what the saved part of it added
             loss_sum += meta["loss_sum"] * world_size
-        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}", leave=False)
+        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}",
+                   leave=False, file=sys.stdout)
         t0 = None
         for x, y in train_loader:
             x = x.contiguous(memory_format=memory_format)  # DataParallel scatters the batch to the GPUs itself
