@@ -231,3 +231,16 @@ def test_workers_do_not_change_results(tmp_path):
     views = [ds[(epoch, i)][0] for epoch in (0, 1) for i in range(8)]
     assert sum(not torch.equal(views[i], views[8 + i]) for i in range(8)) >= 6  # epoch 2 crops/flips differently
     assert all(torch.equal(ds[(1, i)][0], views[8 + i]) for i in range(8))  # and the same again when asked again
+
+
+def test_weights_reach_every_rank(proof_run, tmp_path):
+    """--weights is read on rank 0 only; DDP's broadcast at wrapping must give it to rank 1 too. With --lr 0 nothing
+    trains, so the 2-process evaluation (each rank evaluates its half) must equal one process evaluating the file."""
+    weights = os.path.join(proof_run("dp"), "last.pt")
+    run("ddp_launch_train.py", *BASE[:4], "--epochs", 1, "--lr", 0, *per_process(2), "--weights", weights,
+        "--out-dir", tmp_path, launcher="torchrun", nproc=2)
+    loss, acc, _ = single_process_eval(proof_run("dp"))
+    row = metrics(str(tmp_path))[-1]
+    assert row["val_acc"] == acc and row["val_loss"] == pytest.approx(loss, rel=1e-5)
+    for k, v in checkpoint(weights)["model"].items():
+        assert torch.equal(checkpoint(str(tmp_path))["model"][k], v), k

@@ -1,0 +1,31 @@
+"""The scripts are deliberate copies of each other, so that each reads alone. This keeps them honest: outside
+their launch-specific setup, ddp_spawn_train.py and ddp_amp_train.py may differ from ddp_launch_train.py only in
+lines that are about their launch style or precision. A fix made in one script and not the others fails here."""
+import difflib
+import os
+
+import pytest
+
+from conftest import ROOT
+
+ALLOWED = {  # script: words that every line it changes (outside the setup section) must contain one of
+    "ddp_spawn_train.py": ["ddp_spawn_train"],
+    "ddp_amp_train.py": ["autocast", "scaler", "precision", "backward()", "optimizer.step()", "ddp_amp_train",
+                         '"args": vars(args)', 'print(f"ddp'],
+}
+
+
+def shared_part(script):
+    """From the data section to the end of evaluate(): what every DDP script does the same way."""
+    text = open(os.path.join(ROOT, script)).read()
+    start = text.index("    # ---- data")
+    end = min(i for i in (text.find("\ndef worker"), text.find("\nif __name__")) if i > 0)
+    return [line.strip() for line in text[start:end].splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("script", ALLOWED)
+def test_scripts_differ_only_in_launch_style(script):
+    diff = difflib.unified_diff(shared_part("ddp_launch_train.py"), shared_part(script), n=0, lineterm="")
+    changed = [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    unexpected = [line for line in changed if not any(word in line for word in ALLOWED[script])]
+    assert not unexpected, "\n".join(unexpected)
