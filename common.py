@@ -107,7 +107,7 @@ class InMemory(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         epoch, idx = key
-        idx = torch.as_tensor(idx)
+        idx = torch.as_tensor(idx, device=self.x.device)
         x = self.x[idx]
         if self.augment:
             x = crop_flip(x, per_sample_random(self.seed, epoch, idx), pad=x.shape[-1] // 8)
@@ -151,10 +151,10 @@ def crop_flip(x, r, pad):
     B, C, H, W = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))
     dy, dx = (r >> 1) % (2 * pad + 1), (r >> 9) % (2 * pad + 1)
-    rows = dy[:, None] + torch.arange(H)
-    cols = dx[:, None] + torch.arange(W)
+    rows = dy[:, None] + torch.arange(H, device=x.device)
+    cols = dx[:, None] + torch.arange(W, device=x.device)
     cols = torch.where((r & 1).bool()[:, None], cols.flip(1), cols)
-    out = padded[torch.arange(B)[:, None, None], :, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
+    out = padded[torch.arange(B, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
     return out.permute(0, 3, 1, 2).contiguous()
 
 
@@ -229,14 +229,16 @@ class EpochBatches(BatchSampler):
                 yield [(epoch, j) for j in batch] if self.per_sample else (epoch, batch)
 
 
-def make_loader(ds, sampler, batch_size, drop_last, workers, pin_memory):
+def make_loader(ds, sampler, batch_size, drop_last, workers, device):
     """A DataLoader over batches of `sampler`; set `loader.batches.skip` to leave out the first batches of a pass."""
     in_memory = isinstance(ds, InMemory)
     batches = EpochBatches(sampler, batch_size, drop_last, per_sample=not in_memory)
-    if in_memory:  # the whole batch with one tensor index, in this process
+    if in_memory:  # the whole batch with one tensor index, in this process, on the GPU if the data fits there
+        if device.type == "cuda" and ds.x.nbytes < 4 * 2**30:
+            ds.x, ds.y = ds.x.to(device), ds.y.to(device)  # copied once, not every step
         loader = DataLoader(ds, sampler=batches, batch_size=None)
     else:  # files: decoded in worker processes, into pinned memory for asynchronous copies to the GPU
-        loader = DataLoader(ds, batch_sampler=batches, num_workers=workers, pin_memory=pin_memory,
+        loader = DataLoader(ds, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
                             persistent_workers=workers > 0)
     loader.batches = batches
     return loader

@@ -85,10 +85,9 @@ def main(args, rank, world_size, local_rank, local_world_size):
     train_set, val_set = common.load_data(args)
     # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    pin = device.type == "cuda"
-    train_loader = common.make_loader(train_set, sampler, args.batch_size * args.grad_accum, True, args.workers, pin)
+    train_loader = common.make_loader(train_set, sampler, args.batch_size * args.grad_accum, True, args.workers, device)
     # validation: every sample exactly once over all ranks (no padding duplicates, unlike DistributedSampler's)
-    val_loader = common.make_loader(val_set, range(rank, len(val_set), world_size), args.batch_size, False, args.workers, pin)
+    val_loader = common.make_loader(val_set, range(rank, len(val_set), world_size), args.batch_size, False, args.workers, device)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "

@@ -66,9 +66,8 @@ def main(args):
     train_set, val_set = common.load_data(args, download=True)
     # the same global order as the DDP scripts (a one-replica DistributedSampler), so that all scripts agree
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    pin = device.type == "cuda"
-    train_loader = common.make_loader(train_set, sampler, args.batch_size * n * args.grad_accum, True, args.workers, pin)
-    val_loader = common.make_loader(val_set, range(len(val_set)), args.batch_size * n, False, args.workers, pin)
+    train_loader = common.make_loader(train_set, sampler, args.batch_size * n * args.grad_accum, True, args.workers, device)
+    val_loader = common.make_loader(val_set, range(len(val_set)), args.batch_size * n, False, args.workers, device)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "
