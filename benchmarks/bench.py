@@ -1,0 +1,202 @@
+"""How much of the hardware's speed each training script keeps: samples/s of the four scripts against a bare
+training loop, on the same model, data shape, global batch, precision and thread count, in one run.
+
+    python benchmarks/bench.py                                  # cnn, global batch 64, on the GPU if there is one
+    python benchmarks/bench.py --device cpu --steps 50 --repeats 5 --json cpu.json
+    python benchmarks/bench.py --device cuda --model resnet18 --batch-size 256 --precision bf16 --channels-last
+    python benchmarks/bench.py --steps 3 --repeats 1 --batch-size 8   # a smoke test: checks that it runs, times nothing
+
+The bare loop (bare_loop below) is the reference: one process, no DDP/DataParallel wrapper, common.make_model,
+SGD (lr 0.01, momentum 0.9, weight decay 5e-4, foreach), the same autocast for bf16, batches sliced from tensors
+already on the device, zero_grad(set_to_none=True), and nothing else: no data loader, scheduler, logging, NaN check
+or eval. Each script runs as a subprocess on synthetic data (1x28x28, 10 classes) for --steps optimizer steps in
+--epochs 1, at world size 1 (dp_train.py, plain python ddp_launch_train.py, ddp_spawn_train.py --nprocs 1,
+ddp_amp_train.py); on CPU by default (or with --two-process) also ddp_spawn_train.py --nprocs 2 and
+torchrun --nproc_per_node=2 ddp_launch_train.py, each process taking half the batch and half the threads.
+The bare loop runs in a fresh process too, so that its start-up time and peak memory compare with the scripts'.
+With --precision bf16 only ddp_amp_train.py runs (the other scripts train in fp32 only), and its torchrun row.
+--shape 3x224x224 (for ImageNet models) needs the scripts' --synthetic-shape, proposed in benchmarks/proposed.patch.
+
+Columns (medians over --repeats runs, interleaved: bare, scripts, bare, scripts, ... so that a shared machine's
+load falls on every row alike):
+  samples/s   steady state, global batch: from the end of the first optimizer step to the end of the last
+              (CUDA-synchronized); the first step (allocation, cuDNN autotuning, compilation) is not timed
+  ratio       samples/s over the bare loop's: what the script's wrapper, loader and bookkeeping cost
+  start-up s  from launching the process to the end of its first optimizer step (imports, data, model, first step)
+  eval s      the scripts' validation pass (as many samples as were trained on); the bare loop has none
+  peak MB     rank 0: GPU memory allocated (CUDA), or the process's max resident set size (CPU)
+
+Threads: every 1-process run, the bare loop included, gets this process's torch.get_num_threads() (OMP_NUM_THREADS
+in its environment); each of 2 processes gets half. On a machine shared with other jobs, OMP_NUM_THREADS=1
+python benchmarks/bench.py gives steadier numbers: threads that wait for a busy core slow every step.
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import common  # noqa: E402
+
+DEFAULT_SHAPE = "1x28x28"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "SLURM_STEP_NUM_TASKS")  # inherited, they would make a script wait for ranks that never come
+
+
+def bare_loop(a):
+    """The reference loop, run in its own process (bench.py --bare-worker); writes a metrics row as the scripts do."""
+    device = torch.device(a.device)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    common.set_fast_math(device, deterministic=False)  # the scripts' TF32 and cuDNN autotuning settings
+    fmt = torch.channels_last if a.channels_last else torch.contiguous_format
+    c, h, w = map(int, a.shape.split("x"))
+    torch.manual_seed(0)
+    model = common.make_model(a.model, c, 10).to(device, memory_format=fmt)
+    if a.compile:
+        model.compile()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    B, n = a.batch_size, min(a.steps, 8)  # a few distinct batches, already on the device
+    x = torch.randn(n * B, c, h, w, device=device).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (n * B,), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
+    model.train()
+    for step in range(a.steps):
+        i = step % n * B
+        with autocast:
+            loss = F.cross_entropy(model(x[i:i + B]), y[i:i + B])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 0:  # not timed: the first step, as in the scripts
+            sync(device)
+            t0 = time.time()
+    sync(device)
+    row = {"samples_per_s": (a.steps - 1) * B / (time.time() - t0), "first_step_time": t0, "eval_time_s": None,
+           "world_size": 1, "peak_mem_mb": common.peak_memory_mb(device)}
+    os.makedirs(a.out_dir, exist_ok=True)
+    common.append_metrics(a.out_dir, row)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def configs(a, threads):
+    """(name, world_size, command, OMP_NUM_THREADS) of every row, the bare loop first."""
+    py, B, cuda = sys.executable, a.batch_size, a.device == "cuda"
+    flags = ["--device", a.device, "--model", a.model] + ["--channels-last"] * a.channels_last + ["--compile"] * a.compile
+    data = ["--dataset", "synthetic", "--epochs", "1", "--max-steps", str(a.steps), "--train-size", str(a.steps * B),
+            "--val-size", str(a.steps * B)] + (["--synthetic-shape", a.shape] if a.shape != DEFAULT_SHAPE else [])
+    script = lambda name: os.path.join(ROOT, name)  # noqa: E731
+    one = data + flags + ["--batch-size", str(B)]
+    rows = [("bare", 1, [py, os.path.abspath(__file__), "--bare-worker", "--batch-size", str(B), "--steps", str(a.steps),
+                         "--precision", a.precision, "--shape", a.shape] + flags, threads)]
+    if a.precision == "fp32":  # these three have no --precision: they train in fp32 only
+        rows += [("dp_train.py", 1, [py, script("dp_train.py")] + one + ["--gpus", "0"] * cuda, threads),
+                 ("ddp_launch_train.py", 1, [py, script("ddp_launch_train.py")] + one, threads),
+                 ("ddp_spawn_train.py", 1, [py, script("ddp_spawn_train.py"), "--nprocs", "1"] + one, threads)]
+    rows.append(("ddp_amp_train.py", 1, [py, script("ddp_amp_train.py"), "--precision", a.precision] + one, threads))
+    if a.two_process:  # the same global batch over two processes
+        two, half = data + flags + ["--batch-size", str(B // 2)], max(1, threads // 2)
+        torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        if a.precision == "fp32":
+            rows.append(("ddp_spawn_train.py", 2, [py, script("ddp_spawn_train.py"), "--nprocs", "2"] + two, half))
+            rows.append(("torchrun ddp_launch_train.py", 2, torchrun + [script("ddp_launch_train.py")] + two, half))
+        else:
+            rows.append(("torchrun ddp_amp_train.py", 2, torchrun + [script("ddp_amp_train.py"), "--precision", a.precision]
+                         + two, half))
+    return rows
+
+
+def run(cmd, threads, timeout):
+    """Run one command in a fresh process group; its metrics row, with start-up time measured from the launch."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["OMP_NUM_THREADS"] = str(threads)
+    with tempfile.TemporaryDirectory() as out:
+        launched = time.time()
+        p = subprocess.Popen(cmd + ["--out-dir", out], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)  # its own group: a timeout ends its children too
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            sys.exit(f"timed out after {timeout}s: {' '.join(cmd)}")
+        if p.returncode != 0:
+            sys.exit(f"exit status {p.returncode}: {' '.join(cmd)}\n{err[-3000:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            row = json.loads(f.readlines()[-1])
+    mem = row["peak_mem_mb"]
+    return {"samples_per_s": row["samples_per_s"], "startup_s": row["first_step_time"] - launched,
+            "eval_s": row["eval_time_s"], "peak_mem_mb": max(mem) if isinstance(mem, list) else mem}
+
+
+def main(a):
+    threads = torch.get_num_threads()
+    a.two_process = a.device == "cpu" if a.two_process is None else a.two_process
+    if a.two_process and (a.batch_size % 2 or (a.device == "cuda" and torch.cuda.device_count() < 2)):
+        sys.exit("--two-process needs an even --batch-size" + (", and 2 GPUs on CUDA" if a.device == "cuda" else ""))
+    if a.shape != DEFAULT_SHAPE and common.get_parser("").parse_known_args(["--synthetic-shape", a.shape])[1]:
+        sys.exit(f"--shape {a.shape}: the scripts have no --synthetic-shape flag (see benchmarks/proposed.patch)")
+    rows = configs(a, threads)
+    runs, threads_of = {(name, ws): [] for name, ws, _, _ in rows}, {(name, ws): t for name, ws, _, t in rows}
+    for r in range(a.repeats):
+        for name, ws, cmd, t in rows:
+            runs[name, ws].append(run(cmd, t, a.timeout))
+            print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {runs[name, ws][-1]['samples_per_s']:.1f} samples/s",
+                  file=sys.stderr, flush=True)
+    median = lambda rs, k: None if rs[0][k] is None else statistics.median(x[k] for x in rs)  # noqa: E731
+    bare = median(runs["bare", 1], "samples_per_s")
+    table = [{"name": name, "device": a.device, "world_size": ws, "precision": a.precision, "model": a.model,
+              "shape": a.shape, "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats,
+              "threads": threads_of[name, ws],
+              **{k: median(rs, k) for k in rs[0]}, "ratio_to_bare": median(rs, "samples_per_s") / bare,
+              "samples_per_s_runs": [x["samples_per_s"] for x in rs]} for (name, ws), rs in runs.items()]
+    print(f"\n{a.model} {a.shape} {a.precision}, global batch {a.batch_size}, {a.steps} steps, "
+          f"median of {a.repeats}, {threads} CPU threads per 1-process run")
+    print(f"{'name':30} {'device':6} {'world':>5} {'samples/s':>10} {'ratio':>6} {'start-up s':>10} {'eval s':>7} {'peak MB':>8}")
+    for t in table:
+        ev = "-" if t["eval_s"] is None else f"{t['eval_s']:.2f}"
+        print(f"{t['name']:30} {t['device']:6} {t['world_size']:5d} {t['samples_per_s']:10.1f} {t['ratio_to_bare']:6.2f} "
+              f"{t['startup_s']:10.2f} {ev:>7} {t['peak_mem_mb']:8.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="cnn", help="cnn or a torchvision model name, as in the scripts")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (per process: this over the world size)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run, the first one untimed (at least 2)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every row; the table shows medians")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: autocast; only ddp_amp_train.py has it, so the fp32-only scripts are left out")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (the first step compiles: untimed)")
+    p.add_argument("--two-process", action=argparse.BooleanOptionalAction,
+                   help="also the 2-process rows (default: on CPU only; on CUDA they need 2 GPUs)")
+    p.add_argument("--shape", default=DEFAULT_SHAPE, help="synthetic image shape CxHxW (other than 1x28x28: needs "
+                   "the scripts' --synthetic-shape, see benchmarks/proposed.patch)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.steps < 2 or args.repeats < 1 or args.batch_size < 1:
+        p.error("--steps must be at least 2, --repeats and --batch-size at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but this machine has no CUDA GPU")
+    bare_loop(args) if args.bare_worker else main(args)

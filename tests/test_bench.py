@@ -1,0 +1,41 @@
+"""benchmarks/bench.py end to end on CPU: a smoke run of every row (the bare loop, the four scripts at world size 1,
+the two 2-process launches) and its JSON output. Nothing about speed is asserted: a shared machine's timings vary."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
+ROWS = {("bare", 1), ("dp_train.py", 1), ("ddp_launch_train.py", 1), ("ddp_spawn_train.py", 1), ("ddp_amp_train.py", 1),
+        ("ddp_spawn_train.py", 2), ("torchrun ddp_launch_train.py", 2)}
+
+
+def bench(*args, timeout=900):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # small runs: one thread each, no oversubscription in the 2-process rows
+    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_run_writes_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    p = bench("--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240", "--json", str(out))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert {(r["name"], r["world_size"]) for r in rows} == ROWS and len(rows) == len(ROWS)
+    for r in rows:
+        assert r["device"] == "cpu" and r["precision"] == "fp32" and r["global_batch"] == 8
+        assert r["samples_per_s"] > 0 and len(r["samples_per_s_runs"]) == 1
+        assert isinstance(r["ratio_to_bare"], float) and math.isfinite(r["ratio_to_bare"]) and r["ratio_to_bare"] > 0
+        assert r["startup_s"] > 0 and r["peak_mem_mb"] > 0
+        assert (r["eval_s"] is None) == (r["name"] == "bare")
+    assert next(r for r in rows if r["name"] == "bare")["ratio_to_bare"] == 1.0
+    table = p.stdout.splitlines()
+    assert all(any(line.startswith(name + " ") for line in table) for name, _ in ROWS), p.stdout  # one table row each
+
+
+def test_bad_arguments_exit_before_running_anything():
+    p = bench("--device", "cpu", "--steps", "1", timeout=120)
+    assert p.returncode == 2 and "--steps must be at least 2" in p.stderr
+    p = bench("--device", "cpu", "--batch-size", "7", timeout=120)  # 2-process rows need an even global batch
+    assert p.returncode != 0 and "even --batch-size" in p.stderr
