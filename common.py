@@ -29,6 +29,7 @@ def get_parser(doc):
     a("--train-size", type=int, help="number of training samples (synthetic: default 10000; real data: a subset, default all)")
     a("--val-size", type=int, help="number of validation samples (synthetic: default 2000; real data: a subset, default all)")
     a("--image-size", type=int, default=224, help="imagefolder: images are resized to this square size")
+    a("--synthetic-shape", default="1x28x28", help="synthetic: the image shape CxHxW, e.g. 3x224x224 for ImageNet models")
     a("--model", default="cnn", help="cnn (small 2-conv net) or any torchvision classification model by name, e.g. resnet18")
     a("--epochs", type=int, default=2, help="number of passes over the training set")
     a("--batch-size", type=int, default=64, help="batch size per process (per GPU); the global batch is this times the number of processes")
@@ -60,6 +61,8 @@ def check_args(args):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not _parse_shape(getattr(args, "synthetic_shape", "1x28x28")):
+        raise UsageError(f"--synthetic-shape must be CxHxW with positive integers and H, W at least 7, got {args.synthetic_shape!r}")
     if args.lr < 0:
         raise UsageError(f"--lr must not be negative, got {args.lr}")
     if args.dataset not in ("synthetic", "mnist", "cifar10", "imagefolder"):
@@ -72,6 +75,15 @@ def check_args(args):
         raise UsageError("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
     if args.tensorboard and not _has_module("tensorboard"):
         raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
+
+
+def _parse_shape(text):
+    """(C, H, W) from 'CxHxW', or None if it is not one."""
+    try:
+        c, h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        return None
+    return (c, h, w) if c >= 1 and h >= 7 and w >= 7 else None
 
 
 def _has_module(name):
@@ -158,15 +170,17 @@ def crop_flip(x, r, pad):
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-def synthetic(n, seed, templates_seed):
-    """MNIST-shaped and learnable, but not trivially: 10 smooth class templates under random shifts, contrast and noise."""
+def synthetic(n, seed, templates_seed, shape=(1, 28, 28)):
+    """MNIST-shaped by default and learnable, but not trivially: 10 smooth class templates under random shifts,
+    contrast and noise. Another shape (C, H, W), e.g. (3, 224, 224), times models made for larger images."""
+    c, h, w = shape
     g = torch.Generator().manual_seed(templates_seed)
-    templates = F.interpolate(torch.randn(10, 1, 7, 7, generator=g), size=28, mode="bilinear", align_corners=False)
+    templates = F.interpolate(torch.randn(10, c, 7, 7, generator=g), size=(h, w), mode="bilinear", align_corners=False)
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, 10, (n,), generator=g)
     shifts = torch.randint(0, 2**31 - 1, (n,), generator=g)
-    x = crop_flip(templates[y], shifts & ~1, pad=4)  # shift only; bit 0 (the flip) cleared
-    x = x * (0.5 + torch.rand(n, 1, 1, 1, generator=g)) + 1.2 * torch.randn(n, 1, 28, 28, generator=g)
+    x = crop_flip(templates[y], shifts & ~1, pad=min(h, w) // 7)  # shift only; bit 0 (the flip) cleared
+    x = x * (0.5 + torch.rand(n, 1, 1, 1, generator=g)) + 1.2 * torch.randn(n, c, h, w, generator=g)
     return x, y
 
 
@@ -174,8 +188,9 @@ def load_data(args, download=False):
     """(train_set, val_set) for --dataset. With download=True (rank 0 only) fetch what is missing."""
     d = args.dataset
     if d == "synthetic":
-        xt, yt = synthetic(args.train_size or 10000, args.seed, args.seed)
-        xv, yv = synthetic(args.val_size or 2000, args.seed + 10**6, args.seed)
+        shape = _parse_shape(getattr(args, "synthetic_shape", "1x28x28"))
+        xt, yt = synthetic(args.train_size or 10000, args.seed, args.seed, shape)
+        xv, yv = synthetic(args.val_size or 2000, args.seed + 10**6, args.seed, shape)
         mean, std = xt.mean(), xt.std()
         return InMemory((xt - mean) / std, yt), InMemory((xv - mean) / std, yv)
     if d == "imagefolder":

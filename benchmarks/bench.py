@@ -15,7 +15,7 @@ ddp_amp_train.py); on CPU by default (or with --two-process) also ddp_spawn_trai
 torchrun --nproc_per_node=2 ddp_launch_train.py, each process taking half the batch and half the threads.
 The bare loop runs in a fresh process too, so that its start-up time and peak memory compare with the scripts'.
 With --precision bf16 only ddp_amp_train.py runs (the other scripts train in fp32 only), and its torchrun row.
---shape 3x224x224 (for ImageNet models) needs the scripts' --synthetic-shape, proposed in benchmarks/proposed.patch.
+--shape 3x224x224 (for ImageNet models) passes --synthetic-shape to the scripts.
 
 Columns (medians over --repeats runs, interleaved: bare, scripts, bare, scripts, ... so that a shared machine's
 load falls on every row alike):
@@ -147,8 +147,6 @@ def main(a):
     a.two_process = a.device == "cpu" if a.two_process is None else a.two_process
     if a.two_process and (a.batch_size % 2 or (a.device == "cuda" and torch.cuda.device_count() < 2)):
         sys.exit("--two-process needs an even --batch-size" + (", and 2 GPUs on CUDA" if a.device == "cuda" else ""))
-    if a.shape != DEFAULT_SHAPE and common.get_parser("").parse_known_args(["--synthetic-shape", a.shape])[1]:
-        sys.exit(f"--shape {a.shape}: the scripts have no --synthetic-shape flag (see benchmarks/proposed.patch)")
     rows = configs(a, threads)
     runs, threads_of = {(name, ws): [] for name, ws, _, _ in rows}, {(name, ws): t for name, ws, _, t in rows}
     for r in range(a.repeats):
@@ -188,8 +186,7 @@ if __name__ == "__main__":
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the first step compiles: untimed)")
     p.add_argument("--two-process", action=argparse.BooleanOptionalAction,
                    help="also the 2-process rows (default: on CPU only; on CUDA they need 2 GPUs)")
-    p.add_argument("--shape", default=DEFAULT_SHAPE, help="synthetic image shape CxHxW (other than 1x28x28: needs "
-                   "the scripts' --synthetic-shape, see benchmarks/proposed.patch)")
+    p.add_argument("--shape", default=DEFAULT_SHAPE, help="synthetic image shape CxHxW, e.g. 3x224x224")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
