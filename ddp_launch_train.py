@@ -11,8 +11,8 @@ SLURM_LOCALID. Each process trains on its shard of every global batch; DDP avera
 import contextlib
 import datetime
 import os
-import signal
 import re
+import signal
 import sys
 import time
 
@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 import common
 
-NEVER = 2**62
+NEVER = 2**62  # "no step yet" for the first NaN/inf step
+
 
 def launcher_env():
     """(rank, world_size, local_rank, local_world_size): from torchrun, from srun, or a lone process."""
@@ -66,7 +67,8 @@ def main(args, rank, world_size, local_rank, local_world_size):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun: join its store under a prefix of its own for each restart attempt, so that a restarted worker
         # never meets the previous attempt's keys (the default env:// setup often fails or hangs after a restart)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
         store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:  # a lone process needs no network
@@ -81,20 +83,22 @@ def main(args, rank, world_size, local_rank, local_world_size):
     common.on_rank0(lambda: common.load_data(args, download=True), rank)
     train_set, val_set = common.load_data(args)
     # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
+                                 drop_last=True)
     train_loader = common.make_loader(train_set, sampler, args.batch_size * args.grad_accum, True, args.workers, device)
     # validation: every sample exactly once over all ranks (no padding duplicates, unlike DistributedSampler's)
-    val_loader = common.make_loader(val_set, range(rank, len(val_set), world_size), args.batch_size, False, args.workers, device)
-    steps_per_epoch = len(train_loader)
+    val_shard = range(rank, len(val_set), world_size)
+    val_loader = common.make_loader(val_set, val_shard, args.batch_size, False, args.workers, device)
+    steps_per_epoch, global_batch = len(train_loader), args.batch_size * args.grad_accum * world_size
     if steps_per_epoch == 0:
-        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "
-                                f"({args.batch_size * args.grad_accum * world_size})")
+        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch ({global_batch})")
 
     # ---- model: build it the same on every rank, load weights on rank 0; DDP broadcasts rank 0's at wrapping
     torch.manual_seed(args.seed)
     raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
     if args.weights:
-        common.on_rank0(lambda: raw_model.load_state_dict(common.load_checkpoint(args.weights, raw_model)["model"]), rank)
+        common.on_rank0(lambda: raw_model.load_state_dict(common.load_checkpoint(args.weights, raw_model)["model"]),
+                        rank)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
@@ -126,11 +130,12 @@ def main(args, rank, world_size, local_rank, local_world_size):
         common.append_metrics(out_dir, None, keep_until_epoch=start_epoch)  # a fresh run starts an empty file
         writer = common.tensorboard_writer(out_dir) if args.tensorboard else None
         print(f"ddp: {world_size} processes, backend {backend}, device {device.type}, global batch "
-              f"{args.batch_size * args.grad_accum * world_size}" + (f", resuming at step {step}" if step else ""))
+              f"{global_batch}" + (f", resuming at step {step}" if step else ""))
 
     def save(epoch, step_in_epoch, loss_sum):
         # every rank joins here (state dicts may gather); only rank 0 writes
-        model_state, optim_state = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+        model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
         if master:
             common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
                                 "epoch": epoch, "step_in_epoch": step_in_epoch, "loss_sum": loss_sum,
@@ -178,7 +183,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
                 check_finite(first_bad, rank)  # all ranks agree on it, so all stop together
                 if master:
                     bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                                    samples_per_s=f"{(step - t0_step) * x.shape[0] * world_size / max(time.time() - t0, 1e-9):.0f}")
+                                    samples_per_s=f"{(step - t0_step) * global_batch / max(time.time() - t0, 1e-9):.0f}")
             if args.save_every and step % args.save_every == 0 and not done:
                 save(epoch, step_in_epoch, mean_over_ranks(loss_sum))
             if done:
@@ -202,7 +207,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
         if master:
             row = {"epoch": epoch + 1 if finished else epoch + step_in_epoch / steps_per_epoch, "step": step,
                    "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
-                   "lr": scheduler.get_last_lr()[0], "samples_per_s": (step - t0_step) * args.batch_size * args.grad_accum * world_size / max(train_time, 1e-9),
+                   "lr": scheduler.get_last_lr()[0], "samples_per_s": (step - t0_step) * global_batch / max(train_time, 1e-9),
                    "epoch_time_s": train_time, "eval_time_s": eval_time, "first_step_time": first_step_time,
                    "world_size": world_size, "peak_mem_mb": common.peak_memory_mb(device)}
             common.append_metrics(out_dir, row)
@@ -211,7 +216,10 @@ def main(args, rank, world_size, local_rank, local_world_size):
                     writer.add_scalar(k, row[k], step)
             print(f"epoch {epoch + 1}  train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  val_acc {val_acc:.4f}  "
                   f"lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  {train_time:.1f}s")
-        save(epoch + 1 if finished else epoch, 0 if finished else step_in_epoch, 0.0 if finished else train_loss * step_in_epoch)
+        if finished:
+            save(epoch + 1, 0, 0.0)
+        else:  # stopped by --max-steps: a mid-epoch checkpoint
+            save(epoch, step_in_epoch, train_loss * step_in_epoch)
         step_in_epoch = 0
         if step == args.max_steps:
             break
@@ -224,11 +232,11 @@ def mean_over_ranks(t):
 
 
 def check_finite(first_bad, rank):
-    """Every rank learns the first NaN/inf step of any rank (one all-reduce, a host sync: done every --log-every steps)."""
+    """Every rank learns the first NaN/inf step of any rank: one all-reduce and host sync, every --log-every steps."""
     bad = first_bad.clone()
     dist.all_reduce(bad, op=dist.ReduceOp.MIN)
     if bad.item() != NEVER:
-        raise common.NonFinite(f"loss is NaN/inf at step {int(bad.item()) + 1}: stopped; the last checkpoint is from before it")
+        raise common.NonFinite(f"loss is NaN/inf at step {int(bad.item()) + 1}: stopped, the last checkpoint is older")
 
 
 @torch.no_grad()
@@ -250,8 +258,10 @@ def evaluate(model, loader, device, memory_format):
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, help="ignored: the rank comes from LOCAL_RANK (accepted for the old torch.distributed.launch)")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
+    parser.add_argument("--local_rank", "--local-rank", type=int,
+                        help="ignored: the rank comes from LOCAL_RANK (accepted for the old torch.distributed.launch)")
     args = parser.parse_args()
     rank, world_size, local_rank, local_world_size = launcher_env()
     # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`

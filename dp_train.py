@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import common
 
-NEVER = 2**62
+NEVER = 2**62  # "no step yet" for the first NaN/inf step
 
 class ModelWithLoss(nn.Module):
     """The model and its criterion as one module: each GPU's replica returns only its loss sum and correct count,
@@ -66,12 +66,12 @@ def main(args):
     train_set, val_set = common.load_data(args, download=True)
     # the same global order as the DDP scripts (a one-replica DistributedSampler), so that all scripts agree
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = common.make_loader(train_set, sampler, args.batch_size * n * args.grad_accum, True, args.workers, device)
+    global_batch = args.batch_size * n * args.grad_accum
+    train_loader = common.make_loader(train_set, sampler, global_batch, True, args.workers, device)
     val_loader = common.make_loader(val_set, range(len(val_set)), args.batch_size * n, False, args.workers, device)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
-        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "
-                                f"({args.batch_size * n * args.grad_accum})")
+        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch ({global_batch})")
 
     # ---- model
     torch.manual_seed(args.seed)
@@ -115,10 +115,11 @@ def main(args):
         common.append_metrics(out_dir, None, keep_until_epoch=start_epoch)  # a fresh run starts an empty file
         writer = common.tensorboard_writer(out_dir) if args.tensorboard else None
         print(f"dp: GPUs {gpus}" if gpus else "dp: no GPU, training on the CPU (DataParallel then simply calls the model)",
-              f"global batch {args.batch_size * n * args.grad_accum}" + (f", resuming at step {step}" if step else ""), sep=", ")
+              f"global batch {global_batch}" + (f", resuming at step {step}" if step else ""), sep=", ")
 
     def save(epoch, step_in_epoch, loss_sum):
-        model_state, optim_state = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+        model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
         if master:
             common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
                                 "epoch": epoch, "step_in_epoch": step_in_epoch, "loss_sum": loss_sum,
@@ -164,7 +165,7 @@ def main(args):
                 check_finite(first_bad)
                 if master:
                     bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                                    samples_per_s=f"{(step - t0_step) * x.shape[0] / max(time.time() - t0, 1e-9):.0f}")
+                                    samples_per_s=f"{(step - t0_step) * global_batch / max(time.time() - t0, 1e-9):.0f}")
             if args.save_every and step % args.save_every == 0 and not done:
                 save(epoch, step_in_epoch, mean_over_ranks(loss_sum))
             if done:
@@ -185,7 +186,7 @@ def main(args):
         if master:
             row = {"epoch": epoch + 1 if finished else epoch + step_in_epoch / steps_per_epoch, "step": step,
                    "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
-                   "lr": scheduler.get_last_lr()[0], "samples_per_s": (step - t0_step) * args.batch_size * n * args.grad_accum / max(train_time, 1e-9),
+                   "lr": scheduler.get_last_lr()[0], "samples_per_s": (step - t0_step) * global_batch / max(train_time, 1e-9),
                    "epoch_time_s": train_time, "eval_time_s": eval_time, "first_step_time": first_step_time,
                    "world_size": world_size, "gpus": gpus,
                    "peak_mem_mb": [common.peak_memory_mb(torch.device("cuda", g)) for g in gpus] or common.peak_memory_mb(device)}
@@ -195,7 +196,10 @@ def main(args):
                     writer.add_scalar(k, row[k], step)
             print(f"epoch {epoch + 1}  train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  val_acc {val_acc:.4f}  "
                   f"lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  {train_time:.1f}s")
-        save(epoch + 1 if finished else epoch, 0 if finished else step_in_epoch, 0.0 if finished else train_loss * step_in_epoch)
+        if finished:
+            save(epoch + 1, 0, 0.0)
+        else:  # stopped by --max-steps: a mid-epoch checkpoint
+            save(epoch, step_in_epoch, train_loss * step_in_epoch)
         step_in_epoch = 0
         if step == args.max_steps:
             break
@@ -207,7 +211,7 @@ def mean_over_ranks(t):  # one process: nothing to reduce (the same name as in t
 
 def check_finite(first_bad):
     if first_bad.item() != NEVER:
-        raise common.NonFinite(f"loss is NaN/inf at step {first_bad.item() + 1}: stopped; the last checkpoint is from before it")
+        raise common.NonFinite(f"loss is NaN/inf at step {first_bad.item() + 1}: stopped, the last checkpoint is older")
 
 
 @torch.no_grad()
@@ -217,7 +221,9 @@ def evaluate(model, forward, loader, device, memory_format):
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for x, y in loader:
         loss_sum, correct = forward(x.contiguous(memory_format=memory_format), y)
-        totals += torch.stack([loss_sum.double().to(device), correct.double().to(device), torch.tensor(len(y), dtype=torch.float64, device=device)])
+        totals[0] += loss_sum.to(device)
+        totals[1] += correct.to(device)
+        totals[2] += len(y)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
@@ -225,7 +231,8 @@ def evaluate(model, forward, loader, device, memory_format):
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.add_argument("--gpus", help="comma-separated GPU ids to use, e.g. 0,1 (default: all)")
-    parser.add_argument("--output-device", type=int, help="GPU that receives the gathered outputs (default: the first of --gpus)")
+    parser.add_argument("--output-device", type=int,
+                        help="GPU that receives the gathered outputs (default: the first of --gpus)")
     parser.add_argument("--gather-outputs", action="store_true",
                         help="the classic way: gather all outputs on one GPU and compute the loss there (more memory on it)")
     args = parser.parse_args()
