@@ -1,0 +1,231 @@
+"""fsdp_train.py end to end on CPU/gloo under real torchrun: it trains exactly like ddp_launch_train.py (same weights,
+same validation numbers) at 1, 2 and 3 processes, BatchNorm included; each rank holds 1/N of the parameters, gradients
+and optimizer state; last.pt moves between FSDP and DDP runs of other sizes; bf16 learns as well as fp32; bad input
+stops every rank with one line. Runs are made on first use and shared by the tests (module-scoped)."""
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+
+TIMEOUT = 300  # every subprocess is killed (with its workers) after this many seconds
+FSDP, DDP = "fsdp_train.py", "ddp_launch_train.py"
+# 384 samples, global batch 24: 16 steps per epoch. 97 validation samples: with 2 and 3 processes one rank has a
+# batch fewer than rank 0, so FSDP's evaluation must pad its forwards (or hang)
+CNN = ["--train-size", 384, "--val-size", 97, "--epochs", 2, "--lr", 0.05, "--log-every", 16, "--device", "cpu"]
+# BatchNorm: resnet18 on the 28x28 synthetic data, 3 steps of global batch 16; 33 validation samples: padding again
+RESNET = ["--model", "resnet18", "--train-size", 48, "--val-size", 33, "--epochs", 1, "--device", "cpu"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script, nproc, args, log_dir=None, check=True):
+    """One process: plain `python script` (the lone-process path); more: torchrun. The whole process group is killed
+    on timeout, so that no orphaned worker outlives the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    if nproc == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={_free_port()}"]
+        cmd += ["--log-dir", str(log_dir), "--redirects", "2"] if log_dir else []
+        cmd += [script]
+    cmd += [str(a) for a in args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {TIMEOUT}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-3000:]}\n{err[-5000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+class Run:
+    def __init__(self, out_dir, proc):
+        self.dir, self.proc = out_dir, proc
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            self.rows = [json.loads(line) for line in f]
+        self.ckpt = torch.load(os.path.join(out_dir, "last.pt"), map_location="cpu", weights_only=True)
+        self.last_pt = os.path.join(out_dir, "last.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(name, script, nproc, *args): that training run, made once per module."""
+    base, done = tmp_path_factory.mktemp("fsdp"), {}
+
+    def get(name, script, nproc, *args):
+        if name not in done:
+            out = str(base / name)
+            done[name] = Run(out, launch(script, nproc, [*args, "--out-dir", out]))
+        return done[name]
+    return get
+
+
+def cnn(runs, script, nproc):
+    return runs(f"{script[:4]}{nproc}", script, nproc, *CNN, "--batch-size", 24 // nproc)
+
+
+def resnet(runs, script, nproc):
+    return runs(f"resnet_{script[:4]}{nproc}", script, nproc, *RESNET, "--batch-size", 16 // nproc)
+
+
+def max_diff(a, b, keys=None):
+    keys = keys or a.keys()
+    assert set(keys) <= a.keys() and set(keys) <= b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in keys if a[k].is_floating_point())
+
+
+# ---- 1. FSDP trains exactly like DDP
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_cnn_matches_ddp(runs, nproc):
+    fsdp, ddp = cnn(runs, FSDP, nproc), cnn(runs, DDP, nproc)
+    assert fsdp.ckpt["model"].keys() == ddp.ckpt["model"].keys()
+    assert max_diff(fsdp.ckpt["model"], ddp.ckpt["model"]) <= 1e-4
+    # and that bound can fail: training moved the weights far more than it from their initialization
+    torch.manual_seed(0)
+    init = common.make_model("cnn", 1, 10).state_dict()
+    assert max_diff(fsdp.ckpt["model"], init) >= 1e-2
+    assert [r["step"] for r in fsdp.rows] == [r["step"] for r in ddp.rows] == [16, 32]
+    for f, d in zip(fsdp.rows, ddp.rows):
+        assert f["val_count"] == d["val_count"] == 97  # every validation sample once, with padded forwards
+        assert f["val_loss"] == pytest.approx(d["val_loss"], rel=1e-6)
+        assert f["val_acc"] == pytest.approx(d["val_acc"], rel=1e-6)
+        assert f["train_loss"] == pytest.approx(d["train_loss"], rel=1e-6)
+        assert f["world_size"] == nproc and f["precision"] == "fp32" and f["reshard_after_forward"] is True
+    # the same checkpoint format: the same keys, the same optimizer state names
+    assert fsdp.ckpt.keys() == ddp.ckpt.keys()
+    assert fsdp.ckpt["optimizer"]["state"].keys() == ddp.ckpt["optimizer"]["state"].keys()
+    assert max_diff(fsdp.ckpt["optimizer"]["state"]["fc1.weight"], ddp.ckpt["optimizer"]["state"]["fc1.weight"]) <= 1e-4
+    assert fsdp.proc.stdout.count("fsdp: ") == 1  # rank 0 alone prints
+
+
+def evaluate_alone(ckpt):
+    """Loss and accuracy of a checkpoint over the whole validation set, in this one process."""
+    args = argparse.Namespace(**ckpt["args"])
+    _, val_set = common.load_data(args)
+    model = common.make_model(args.model, val_set.channels, val_set.classes)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    with torch.no_grad():
+        out = model(val_set.x)
+    return F.cross_entropy(out.double(), val_set.y, reduction="sum").item() / len(val_set), \
+        (out.argmax(1) == val_set.y).double().mean().item()
+
+
+def test_batchnorm_model_matches_ddp_and_its_checkpoint(runs):
+    fsdp, ddp = resnet(runs, FSDP, 2), resnet(runs, DDP, 2)
+    state = fsdp.ckpt["model"]
+    assert max_diff(state, ddp.ckpt["model"]) <= 1e-4
+    assert state["bn1.running_var"].sub(1).abs().max() > 1e-2  # the BatchNorm statistics did move
+    assert fsdp.rows[-1]["val_loss"] == pytest.approx(ddp.rows[-1]["val_loss"], rel=1e-6)
+    assert fsdp.rows[-1]["val_acc"] == pytest.approx(ddp.rows[-1]["val_acc"], rel=1e-6)
+    # the reported numbers are those of the saved model: rank 0's BatchNorm statistics went to every rank
+    loss, acc = evaluate_alone(fsdp.ckpt)
+    assert fsdp.rows[-1]["val_count"] == 33
+    assert fsdp.rows[-1]["val_loss"] == pytest.approx(loss, rel=1e-6)
+    assert fsdp.rows[-1]["val_acc"] == pytest.approx(acc, rel=1e-6)
+
+
+# ---- 2. memory: each rank holds 1/N
+def memory_run(runs, nproc):
+    if nproc == 2:
+        return resnet(runs, FSDP, 2)
+    # 1 step only; with 3 processes also: --weights (from the 2-process run), --lr 0 (so the weights stay as loaded),
+    # another seed (so a shard the weights missed would show) and 2 validation samples (rank 2 has none)
+    extra = ["--weights", resnet(runs, FSDP, 2).last_pt, "--lr", 0, "--seed", 7, "--val-size", 2] if nproc == 3 else []
+    return runs(f"memory{nproc}", FSDP, nproc, *RESNET, "--batch-size", 8, "--max-steps", 1, *extra)
+
+
+def test_memory_per_rank_falls_as_one_over_world_size(runs):
+    rows = {n: memory_run(runs, n).rows[-1] for n in (1, 2, 3)}
+    torch.manual_seed(0)
+    numel = sum(p.numel() for p in common.make_model("resnet18", 1, 10).parameters())
+    assert rows[1]["param_bytes"] == rows[1]["grad_bytes"] == rows[1]["optim_bytes"] == 4 * numel  # fp32, SGD momentum
+    for n in (2, 3):
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert rows[n][key] == pytest.approx(rows[1][key] / n, rel=0.1), (n, key, rows[n][key])
+        total = sum(rows[n][k] for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+        assert total == pytest.approx(3 * 4 * numel / n, rel=0.1)
+
+
+def test_weights_reach_every_shard_and_a_rank_without_validation_samples_pads(runs):
+    loaded, weights = memory_run(runs, 3), resnet(runs, FSDP, 2).ckpt["model"]
+    torch.manual_seed(7)
+    params = [k for k, _ in common.make_model("resnet18", 1, 10).named_parameters()]
+    assert max_diff(loaded.ckpt["model"], weights, params) == 0.0  # --lr 0: exactly the loaded weights, every shard
+    assert loaded.rows[-1]["val_count"] == 2 and loaded.rows[-1]["world_size"] == 3
+
+
+# ---- 3. last.pt crosses between FSDP and DDP, and between process counts
+@pytest.mark.parametrize("first,second", [((FSDP, 2), (DDP, 3)), ((DDP, 3), (FSDP, 2))])
+def test_checkpoint_crosses_over(runs, first, second):
+    (s1, n1), (s2, n2) = first, second
+    half = runs(f"half_{s1[:4]}{n1}", s1, n1, *CNN, "--batch-size", 24 // n1, "--max-steps", 16)
+    assert (half.ckpt["epoch"], half.ckpt["step_in_epoch"], half.ckpt["world_size"]) == (1, 0, n1)
+    resumed = runs(f"resumed_{s2[:4]}{n2}_from_{s1[:4]}{n1}", s2, n2, *CNN, "--batch-size", 24 // n2,
+                   "--resume", half.last_pt)
+    straight = cnn(runs, DDP, 2)
+    assert [r["epoch"] for r in resumed.rows] == [2]
+    assert max_diff(resumed.ckpt["model"], straight.ckpt["model"]) <= 1e-4
+    assert max_diff(resumed.ckpt["model"], half.ckpt["model"]) >= 1e-2  # the second epoch did train
+    assert resumed.rows[-1]["val_loss"] == pytest.approx(straight.rows[-1]["val_loss"], rel=1e-5)
+    assert resumed.ckpt["world_size"] == n2
+
+
+# ---- 4. bf16 learns as well as fp32
+def test_bf16_accuracy_close_to_fp32(runs):
+    args = ["--train-size", 2000, "--val-size", 2000, "--epochs", 2, "--batch-size", 32, "--lr", 0.05,
+            "--device", "cpu"]
+    fp32 = runs("fp32", FSDP, 2, *args)
+    bf16 = runs("bf16", FSDP, 2, *args, "--precision", "bf16")
+    assert bf16.rows[-1]["precision"] == "bf16"
+    assert fp32.rows[-1]["val_acc"] > 0.9  # high and stable: the comparison means something
+    assert abs(bf16.rows[-1]["val_acc"] - fp32.rows[-1]["val_acc"]) <= 0.01
+    assert max_diff(bf16.ckpt["model"], fp32.ckpt["model"]) > 1e-3  # bf16 was really in use
+    assert all(v.dtype == torch.float32 for v in bf16.ckpt["model"].values())  # saved in fp32, like the fp32 run
+
+
+# ---- 5. bad input: every rank stops, with one line on stderr, printed by rank 0 alone
+@pytest.mark.parametrize("nproc,args,words", [
+    (2, ["--sync-bn"], "ddp_launch_train.py --sync-bn"),
+    (2, ["--precision", "fp16"], "bf16"),
+    (1, ["--model", "nosuchnet"], "unknown --model"),  # the lone-process path: its whole stderr is the one line
+])
+def test_bad_input_one_line(tmp_path, nproc, args, words):
+    logs = tmp_path / "logs"
+    p = launch(FSDP, nproc, [*args, "--device", "cpu", "--out-dir", tmp_path / "out"], log_dir=logs, check=False)
+    assert p.returncode != 0
+    if nproc == 1:
+        stderr = {0: p.stderr}
+    else:  # torchrun --redirects: each rank's stderr in <log-dir>/<run>/attempt_0/<rank>/stderr.log
+        stderr = {}
+        for folder, _, files in os.walk(logs):
+            if "stderr.log" in files:
+                with open(os.path.join(folder, "stderr.log")) as f:
+                    stderr[int(os.path.basename(folder))] = f.read()
+    assert sorted(stderr) == list(range(nproc))
+    lines = stderr[0].splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], stderr[0]
+    assert all(stderr[rank] == "" for rank in range(1, nproc)), stderr
+    assert not os.path.exists(tmp_path / "out" / "last.pt")
