@@ -13,6 +13,9 @@ ALLOWED = {  # script: words that every line it changes (outside the setup secti
     "ddp_amp_train.py": ["autocast", "scaler", "precision", "backward()", "optimizer.step()", "ddp_amp_train",
                          '"args": vars(args)', 'print(f"ddp'],
 }
+# fsdp_train.py adds sharding, memory accounting and padded evaluation; it may drop only these shared lines
+FSDP_MAY_DROP = ["DDP", "weights", "rank)", "sync_bn", "SyncBatchNorm", 'print(f"ddp', "global_batch}", "first_step_time",
+                 "micro", "no_sync", "loss = F.cross_entropy", "running statistics", "evaluate(", "peak_mem_mb"]
 
 
 def shared_part(script):
@@ -23,9 +26,18 @@ def shared_part(script):
     return [line.strip() for line in text[start:end].splitlines() if line.strip()]
 
 
+def changed_lines(script):
+    diff = difflib.unified_diff(shared_part("ddp_launch_train.py"), shared_part(script), n=0, lineterm="")
+    return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
 @pytest.mark.parametrize("script", ALLOWED)
 def test_scripts_differ_only_in_launch_style(script):
-    diff = difflib.unified_diff(shared_part("ddp_launch_train.py"), shared_part(script), n=0, lineterm="")
-    changed = [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    unexpected = [line for line in changed if not any(word in line for word in ALLOWED[script])]
+    unexpected = [line for line in changed_lines(script) if not any(word in line for word in ALLOWED[script])]
+    assert not unexpected, "\n".join(unexpected)
+
+
+def test_fsdp_keeps_the_shared_lines():
+    dropped = [line for line in changed_lines("fsdp_train.py") if line.startswith("-")]
+    unexpected = [line for line in dropped if not any(word in line for word in FSDP_MAY_DROP)]
     assert not unexpected, "\n".join(unexpected)
