@@ -15,7 +15,8 @@ ALLOWED = {  # script: words that every line it changes (outside the setup secti
 }
 # fsdp_train.py adds sharding, memory accounting and padded evaluation; it may drop only these shared lines
 FSDP_MAY_DROP = ["DDP", "weights", "rank)", "sync_bn", "SyncBatchNorm", 'print(f"ddp', "global_batch}", "first_step_time",
-                 "micro", "no_sync", "loss = F.cross_entropy", "running statistics", "evaluate(", "peak_mem_mb"]
+                 "micro", "no_sync", "loss = F.cross_entropy", "running statistics", "evaluate(", "peak_mem_mb",
+                 "Loss and accuracy"]
 
 
 def shared_part(script):
