@@ -1,0 +1,179 @@
+"""A real one-node SLURM cluster for tests: munged, slurmctld and slurmd started from a minimal configuration in a
+temporary folder (state, logs, sockets and ports all private to it), stopped afterwards.
+
+It installs nothing: the tests that use it are skipped where the SLURM daemons are missing (Debian/Ubuntu:
+apt-get install slurm-wlm munge) or where this is not root (slurmd starts job steps as their user).
+Commands such as srun and sbatch find the cluster through SLURM_CONF, which `env()` sets.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+COMMANDS = ("srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])  # daemons: sbin
+
+
+def which(name):
+    return shutil.which(name, path=SEARCH_PATH)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_name():
+    """This host's short name, as slurmd would call itself; `localhost` where that name does not resolve
+    (the training scripts connect to the first node of a step by its name)."""
+    name = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(name)
+        return name
+    except OSError:
+        return "localhost"
+
+
+def skip_reason():
+    missing = [c for c in DAEMONS + COMMANDS if which(c) is None]
+    if missing:
+        return f"SLURM is not installed (missing {', '.join(missing)}; Debian/Ubuntu: apt-get install slurm-wlm munge)"
+    if os.geteuid() != 0:
+        return "a SLURM test cluster needs root: slurmd starts job steps as their user"
+    return None
+
+
+class Cluster:
+    def __init__(self, root):
+        self.root = root
+        self.node = node_name()
+        self.conf = os.path.join(root, "slurm.conf")
+        self.procs = []
+        for d in ("state", "spool", "log"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+
+    def env(self, **extra):
+        """os.environ without any SLURM_* of an outer job, pointing at this cluster."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = self.conf
+        env.update(extra)
+        return env
+
+    def path(self, *names):
+        return os.path.join(self.root, *names)
+
+    def write_config(self):
+        key = self.path("munge.key")
+        with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(os.urandom(128))
+        lines = [
+            "ClusterName=pytest",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.path('munge.sock')}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={self.path('state')}",
+            f"SlurmdSpoolDir={self.path('spool')}",
+            f"SlurmctldPidFile={self.path('slurmctld.pid')}",
+            f"SlurmdPidFile={self.path('slurmd.pid')}",
+            f"SlurmctldLogFile={self.path('log', 'slurmctld.log')}",
+            f"SlurmdLogFile={self.path('log', 'slurmd.log')}",
+            # no cgroups (containers often have none to give): processes are tracked through /proc
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "MpiDefault=none",
+            "SchedulerType=sched/builtin",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "SlurmdParameters=config_overrides",  # 2 CPUs even on a machine with fewer cores
+            "MaxJobCount=1000",
+            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN",
+            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+        ]
+        with open(self.conf, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def _daemon(self, name, cmd):
+        log = open(self.path("log", f"{name}.out"), "wb")
+        self.procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                                  start_new_session=True)))
+
+    def start(self, timeout=30):
+        self.write_config()
+        self._daemon("munged", [which("munged"), "--foreground", "--force", f"--key-file={self.path('munge.key')}",
+                                f"--socket={self.path('munge.sock')}", f"--pid-file={self.path('munged.pid')}",
+                                f"--log-file={self.path('log', 'munged.log')}", f"--seed-file={self.path('munged.seed')}"])
+        self._wait(lambda: os.path.exists(self.path("munge.sock")), timeout, "munged did not create its socket")
+        self._daemon("slurmctld", [which("slurmctld"), "-D"])
+        self._daemon("slurmd", [which("slurmd"), "-D", "-N", self.node])
+        self._wait(lambda: self.sinfo() == "idle", timeout, "the node did not become idle")
+
+    def sinfo(self):
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=self.env(), timeout=10)
+        return r.stdout.strip()
+
+    def _wait(self, ready, timeout, what):
+        deadline = time.monotonic() + timeout
+        while not ready():
+            dead = [name for name, p in self.procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} (exited: {dead or 'none'})\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self):
+        out = []
+        for name in sorted(os.listdir(self.path("log"))):
+            with open(self.path("log", name), errors="replace") as f:
+                out.append(f"--- {name}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    def stop(self):
+        """Cancel what is left of the jobs, then stop the daemons (the ones this object started, by their pid)."""
+        if any(name == "slurmctld" and p.poll() is None for name, p in self.procs):
+            try:
+                jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env(),
+                                      timeout=10).stdout.split()
+                if jobs:
+                    subprocess.run(["scancel", *jobs], env=self.env(), timeout=10)
+                    deadline = time.monotonic() + 15
+                    while time.monotonic() < deadline and subprocess.run(
+                            ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env(),
+                            timeout=10).stdout.split():
+                        time.sleep(0.2)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        for name, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        self.procs = []
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
