@@ -385,6 +385,42 @@ def on_rank0(fn, rank):
     return result
 
 
+def torchrun_store(rank, world_size, timeout):
+    """The store of torchrun's agent (at MASTER_ADDR:MASTER_PORT), under a prefix that only this attempt uses.
+
+    The agent's store outlives worker restarts, keys of earlier attempts included: meeting there without a prefix
+    (the default env:// setup) often fails or hangs after a restart. TORCHELASTIC_RESTART_COUNT cannot be the
+    prefix: each node's agent counts its own restarts, and after a restart across nodes the counts differ. So rank 0
+    draws a random prefix and hands it to each rank in answer to a random token of that rank: no key left by an
+    earlier attempt can answer it."""
+    import time
+
+    import torch.distributed as dist
+    if os.environ["MASTER_PORT"] == "0":
+        raise UsageError("torchrun --master_port=0 tells the workers port 0: give a free port, or use --standalone")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    hello = dist.PrefixStore("hello", store)
+    if rank == 0:
+        prefix, last_token, joined = os.urandom(16).hex(), {}, set()
+        deadline = time.monotonic() + timeout.total_seconds()
+        while len(joined) < world_size - 1:  # answer each rank's latest token until it confirms the prefix
+            for r in set(range(1, world_size)) - joined:
+                if hello.check([f"{prefix}/{r}"]):
+                    joined.add(r)
+                elif hello.check([f"token{r}"]) and (token := hello.get(f"token{r}")) != last_token.get(r):
+                    hello.set(f"answer/{token.decode()}", prefix)
+                    last_token[r] = token
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {sorted(set(range(1, world_size)) - joined)} did not join in {timeout}")
+            time.sleep(0.01)
+    else:
+        token = os.urandom(16).hex()
+        hello.set(f"token{rank}", token)
+        prefix = hello.get(f"answer/{token}").decode()  # waits for rank 0's answer (up to the timeout)
+        hello.set(f"{prefix}/{rank}", "")
+    return dist.PrefixStore(prefix, store)
+
+
 def find_checkpoint(resume, out_dir, model):
     """The checkpoint --resume names, read and checked against `model`, or None for a fresh start."""
     if not resume:

@@ -65,34 +65,9 @@ def main(args, rank, world_size, local_rank, local_world_size):
     common.set_fast_math(device, args.deterministic)
     timeout = datetime.timedelta(minutes=10)  # a dead peer ends the run with an error instead of a hang
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun: its agent serves a store at MASTER_ADDR:MASTER_PORT that outlives worker restarts, keys of earlier
-        # attempts included (the default env:// setup often fails or hangs after a restart). So each attempt meets
-        # under a fresh random prefix, which rank 0 draws and hands to each rank in answer to a random token of that
-        # rank: no key left by an earlier attempt can answer it. (TORCHELASTIC_RESTART_COUNT cannot be the prefix:
-        # each node's agent counts its own restarts, and after a restart across nodes the counts differ.)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        hello = dist.PrefixStore("ddp_launch_train/hello", store)
-        if rank == 0:
-            prefix, last_token, joined = os.urandom(16).hex(), {}, set()
-            deadline = time.monotonic() + timeout.total_seconds()
-            while len(joined) < world_size - 1:  # answer each rank's latest token until it confirms the prefix
-                for r in set(range(1, world_size)) - joined:
-                    if hello.check([f"{prefix}/{r}"]):
-                        joined.add(r)
-                    elif hello.check([f"token{r}"]) and (token := hello.get(f"token{r}")) != last_token.get(r):
-                        hello.set(f"answer/{token.decode()}", prefix)
-                        last_token[r] = token
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks {sorted(set(range(1, world_size)) - joined)} did not join in {timeout}")
-                time.sleep(0.01)
-        else:
-            token = os.urandom(16).hex()
-            hello.set(f"token{rank}", token)
-            prefix = hello.get(f"answer/{token}").decode()  # waits for rank 0's answer (up to the timeout)
-            hello.set(f"{prefix}/{rank}", "")
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
-                                timeout=timeout)
+        # torchrun: meet on its store, under a prefix fresh for every restart attempt (see common.torchrun_store)
+        store = common.torchrun_store(rank, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:  # a lone process needs no network
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:  # srun, or any launcher that sets MASTER_ADDR/MASTER_PORT

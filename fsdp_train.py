@@ -78,11 +78,8 @@ def main(args, rank, world_size, local_rank, local_world_size):
     common.set_fast_math(device, args.deterministic)
     timeout = datetime.timedelta(minutes=10)  # a dead peer ends the run with an error instead of a hang
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun: join its store under a prefix of its own for each restart attempt, so that a restarted worker
-        # never meets the previous attempt's keys (the default env:// setup often fails or hangs after a restart)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        store = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        # torchrun: meet on its store, under a prefix fresh for every restart attempt (see common.torchrun_store)
+        store = common.torchrun_store(rank, world_size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     elif world_size == 1 and "MASTER_ADDR" not in os.environ:  # a lone process needs no network
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
