@@ -164,6 +164,26 @@ class Cluster:
                     p.kill()
                     p.wait()
         self.procs = []
+        for pid in self.leftovers():  # e.g. a job step that a stopped slurmd could no longer end
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def leftovers(self):
+        """Pids of the processes of this cluster still running: they all carry its SLURM_CONF in their environment
+        (the daemons, their slurmstepd, and the jobs, which inherit it from srun and sbatch)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if mark in f.read().split(b"\0"):
+                            found.append(int(entry))
+                except OSError:
+                    pass
+        return found
 
 
 @pytest.fixture(scope="module")
