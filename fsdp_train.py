@@ -251,6 +251,8 @@ def main(args, rank, world_size, local_rank, local_world_size):
         step_in_epoch = 0
         if step == args.max_steps:
             break
+    # no rank tears its process group down while a peer may still be finishing the last all-gathers (of the save)
+    dist.barrier()
 
 
 def shard(model, mesh, precision, reshard_after_forward):
