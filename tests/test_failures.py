@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TIMEOUT, checkpoint, free_port, metrics, run
+from conftest import ROOT, checkpoint, free_port, metrics, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 

@@ -7,7 +7,6 @@ each comparison also checks that it can fail: the weights moved by >= 1e-2 from 
 with another seed lands >= 100x the tolerance away.
 """
 import os
-import shutil
 import types
 
 import pytest
