@@ -211,6 +211,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
             if writer:
                 for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s"):
                     writer.add_scalar(k, row[k], step)
+                writer.flush()  # each epoch visible now, and nothing lost at exit
             print(f"epoch {epoch + 1}  train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  val_acc {val_acc:.4f}  "
                   f"lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  {train_time:.1f}s")
         if finished:
