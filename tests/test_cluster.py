@@ -159,7 +159,8 @@ def reference(tmp_path_factory):
 
 
 # ---- 1. torchrun restarts a worker group after one of its workers died, from the mid-epoch checkpoint
-@pytest.mark.parametrize("script, victim_rank", [("ddp_launch_train.py", 0), ("ddp_amp_train.py", 1)])
+@pytest.mark.parametrize("script, victim_rank", [("ddp_launch_train.py", 0), ("ddp_amp_train.py", 1),
+                                                  ("fsdp_train.py", 1)])
 def test_torchrun_restart_after_a_killed_worker_ends_with_the_uninterrupted_weights(script, victim_rank, reference,
                                                                                    tmp_path):
     out = tmp_path / "run"
