@@ -78,6 +78,15 @@ def test_launch_style_invariance(proof_run):
         assert_same_weights(checkpoint(proof_run(name))["model"], ref, proof_run)
 
 
+def test_compile_changes_only_speed(proof_run, session_dir):
+    """--compile (torch.compile of the DDP model): the weights of the eager run, saved under the plain names."""
+    out = str(session_dir / "proof_compile")
+    run("ddp_launch_train.py", *BASE, *per_process(2), "--compile", "--out-dir", out, launcher="torchrun", nproc=2)
+    model = checkpoint(out)["model"]
+    assert list(model) == list(initial_weights())  # no "_orig_mod." or "module." prefixes
+    assert_same_weights(model, checkpoint(proof_run("launch2"))["model"], proof_run)
+
+
 def test_grad_accumulation(proof_run):
     assert_same_weights(checkpoint(proof_run("accum1"))["model"], checkpoint(proof_run("launch1"))["model"], proof_run)
     assert_same_weights(checkpoint(proof_run("accum2"))["model"], checkpoint(proof_run("launch2"))["model"], proof_run)
