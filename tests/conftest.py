@@ -1,6 +1,7 @@
 """Helpers for running the scripts as real subprocesses (real torchrun, real mp.spawn) on CPU/gloo."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,22 +21,74 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(script, *args, nproc=None, launcher="python", env=None, check=True, timeout=TIMEOUT):
-    """Run one of the scripts. launcher: 'python' (plain; ddp_spawn_train.py spawns --nprocs itself) or 'torchrun'.
-    Weight comparisons need equal threads per process, so OMP_NUM_THREADS=1 unless `env` says otherwise."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if env is None or k not in env:
-            full_env.pop(k, None)
+# what a launcher or a job sets for its processes: never inherited from wherever the tests themselves run
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(base=None, **extra):
+    """`base` (default: this environment) without any launcher's or job's variables, one thread per process,
+    unbuffered output, then `extra`."""
+    env = {k: v for k, v in (base or os.environ).items()
+           if k not in LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run(script, *args, nproc=None, launcher="python", env=None, check=True, timeout=TIMEOUT, launcher_args=()):
+    """Run one of the scripts. launcher: 'python' (plain; ddp_spawn_train.py spawns --nprocs itself) or 'torchrun'
+    (with `launcher_args` before the script). Weight comparisons need equal threads per process: one each, unless
+    `env` says otherwise. On timeout the whole process tree is killed, torchrun's workers included."""
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc or 1}",
-               f"--master_port={free_port()}", script]
+               f"--master_port={free_port()}", *map(str, launcher_args), script]
     else:
         cmd = [sys.executable, script] + ([f"--nprocs={nproc}"] if nproc else [])
-    p = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    cmd += [str(a) for a in args]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd + [str(a) for a in args])} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
-    return p
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-3000:]}\n{err[-5000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def children(pid):
+    """Pids of the live (not zombie) children of `pid`, from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def descendants(pid):
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(pid, sig=signal.SIGKILL):
+    """Signal `pid` and every process under it. Killing its process group is not enough: torchrun starts each worker
+    in a session of its own."""
+    for p in [pid] + descendants(pid):  # listed before any dies: an orphan can no longer be traced to its launcher
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
 
 
 def metrics(out_dir):
@@ -48,10 +101,13 @@ def checkpoint(out_dir_or_file):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def max_diff(a, b):
-    """Max absolute difference between two state dicts (same keys required)."""
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+def max_diff(a, b, keys=None):
+    """Max absolute difference between two state dicts: over all of them (same keys required), or over `keys`."""
+    if keys is None:
+        assert a.keys() == b.keys()
+        keys = a.keys()
+    assert set(keys) <= a.keys() and set(keys) <= b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in keys if a[k].is_floating_point())
 
 
 def summary_lines(output, prefix="epoch "):

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conftest import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"])  # daemons: sbin
@@ -21,12 +23,6 @@ SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/
 
 def which(name):
     return shutil.which(name, path=SEARCH_PATH)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_name():

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import free_port, slurm_cluster  # noqa: E402,F401  (slurm_cluster: a fixture)
+from conftest import children, descendants, free_port
+from conftest import clean_env as fresh_env
+from slurm_cluster import slurm_cluster  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds, for any one command
@@ -29,18 +30,15 @@ TINY = ["--train-size", "384", "--val-size", "101", "--batch-size", "12", "--epo
         "--resume", "auto"]
 STEPS_PER_EPOCH = 16
 EXTRA = {"ddp_amp_train.py": ["--precision", "bf16"]}
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def clean_env(base=None, **extra):
-    """The environment of a fresh launch: none of the variables of a launcher (or job) the tests themselves run in."""
-    env = {k: v for k, v in (base or os.environ).items()
-           if k not in LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    """The environment of a fresh launch (conftest.clean_env), with Python's stacks printed on SIGABRT and this
+    Python first on PATH. Of a SLURM cluster's environment `base` it keeps SLURM_CONF, which names the cluster."""
+    env = fresh_env(base, PYTHONFAULTHANDLER="1",
+                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]), **extra)
     if base is not None and "SLURM_CONF" in base:
         env["SLURM_CONF"] = base["SLURM_CONF"]
-    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1",
-               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    env.update(extra)
     return env
 
 
@@ -52,36 +50,12 @@ def script_args(script, out_dir, *more):
     return [script, *TINY, *EXTRA.get(script, []), "--out-dir", str(out_dir), *more]
 
 
-def children(pid):
-    """Pids of the live children of `pid`, from /proc."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
-
-
 def worker_env(pid):
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return {}
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def descendants(pid):
-    found, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        found += kids
-        todo += kids
-    return found
 
 
 class Proc:

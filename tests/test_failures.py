@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, checkpoint, free_port, metrics, run
+from conftest import ROOT, checkpoint, clean_env, descendants, free_port, kill_tree, metrics, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -105,11 +105,6 @@ def test_nan_stops_every_rank(tmp_path, launcher):
     assert not os.path.exists(tmp_path / "metrics.jsonl") or metrics(str(tmp_path)) == []
 
 
-def children_of(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -120,9 +115,8 @@ def alive(pid):
 
 
 def launch_long(script_cmd, out):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = ["--train-size", 20000, "--val-size", 20, "--batch-size", 8, "--save-every", 5, "--out-dir", out]
-    return subprocess.Popen([sys.executable, *script_cmd, *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, *script_cmd, *map(str, args)], cwd=ROOT, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -134,15 +128,6 @@ def wait_for(path, p, seconds=120):
         time.sleep(0.2)
 
 
-def all_descendants(pid):
-    found, todo = [], [pid]
-    while todo:
-        kids = children_of(todo.pop())
-        found += kids
-        todo += kids
-    return found
-
-
 @pytest.mark.parametrize("launch", ["torchrun", "spawn"])
 def test_sigterm_ends_everything_cleanly(tmp_path, launch):
     cmd = (["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "ddp_launch_train.py"]
@@ -150,13 +135,13 @@ def test_sigterm_ends_everything_cleanly(tmp_path, launch):
     p = launch_long(cmd, tmp_path)
     try:
         wait_for(tmp_path / "last.pt", p)  # training, with a checkpoint written
-        workers = all_descendants(p.pid)
+        workers = descendants(p.pid)
         assert len(workers) >= 2
         p.send_signal(signal.SIGTERM)  # as SLURM does on preemption
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p.pid)
     assert p.returncode != 0
     time.sleep(1)
     assert not [w for w in workers if alive(w)], "orphan worker processes"
@@ -168,13 +153,13 @@ def test_spawn_child_crash_ends_the_others(tmp_path):
     p = launch_long(["ddp_spawn_train.py", "--nprocs", "2"], tmp_path)
     try:
         wait_for(tmp_path / "last.pt", p)
-        workers = [w for w in all_descendants(p.pid) if "spawn_main" in open(f"/proc/{w}/cmdline").read()]
+        workers = [w for w in descendants(p.pid) if "spawn_main" in open(f"/proc/{w}/cmdline").read()]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)  # e.g. the OOM killer
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p.pid)
     assert p.returncode != 0
     assert "SIGKILL" in err, err  # the parent says what happened to the child
     time.sleep(1)

@@ -4,22 +4,15 @@ holds 1/N of the parameters, gradients and optimizer state; last.pt moves betwee
 bf16 learns as well as fp32; bad input stops every rank with one line. Runs are made on first use and shared by the
 tests (module-scoped)."""
 import argparse
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import common  # noqa: E402
+import common
+from conftest import checkpoint, max_diff, metrics, run
 
-TIMEOUT = 300  # every subprocess is killed (with its workers) after this many seconds
 FSDP, DDP = "fsdp_train.py", "ddp_launch_train.py"
 # 384 samples, global batch 24: 16 steps per epoch. 97 validation samples: with 2 and 3 processes one rank has a
 # batch fewer than rank 0, so FSDP's evaluation must pad its forwards (or hang)
@@ -28,46 +21,19 @@ CNN = ["--train-size", 384, "--val-size", 97, "--epochs", 2, "--lr", 0.05, "--lo
 RESNET = ["--model", "resnet18", "--train-size", 48, "--val-size", 33, "--epochs", 1, "--device", "cpu"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script, nproc, args, log_dir=None, check=True):
-    """One process: plain `python script` (the lone-process path); more: torchrun. The whole process group is killed
-    on timeout, so that no orphaned worker outlives the test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    """One process: plain `python script` (the lone-process path); more: real torchrun, with each rank's output in
+    `log_dir` if given."""
     if nproc == 1:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={_free_port()}"]
-        cmd += ["--log-dir", str(log_dir), "--redirects", "2"] if log_dir else []
-        cmd += [script]
-    cmd += [str(a) for a in args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError(f"timed out after {TIMEOUT}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-3000:]}\n{err[-5000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        return run(script, *args, check=check)
+    return run(script, *args, launcher="torchrun", nproc=nproc, check=check,
+               launcher_args=["--log-dir", log_dir, "--redirects", "2"] if log_dir else [])
 
 
 class Run:
     def __init__(self, out_dir, proc):
-        self.dir, self.proc = out_dir, proc
-        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-            self.rows = [json.loads(line) for line in f]
-        self.ckpt = torch.load(os.path.join(out_dir, "last.pt"), map_location="cpu", weights_only=True)
-        self.last_pt = os.path.join(out_dir, "last.pt")
+        self.dir, self.proc, self.last_pt = out_dir, proc, os.path.join(out_dir, "last.pt")
+        self.rows, self.ckpt = metrics(out_dir), checkpoint(self.last_pt)
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +55,6 @@ def cnn(runs, script, nproc):
 
 def resnet(runs, script, nproc):
     return runs(f"resnet_{script[:4]}{nproc}", script, nproc, *RESNET, "--batch-size", 16 // nproc)
-
-
-def max_diff(a, b, keys=None):
-    keys = keys or a.keys()
-    assert set(keys) <= a.keys() and set(keys) <= b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in keys if a[k].is_floating_point())
 
 
 # ---- 1. FSDP trains exactly like DDP
