@@ -1,6 +1,7 @@
 """The scripts are deliberate copies of each other, so that each reads alone. This keeps them honest: outside
 their launch-specific setup, ddp_spawn_train.py and ddp_amp_train.py may differ from ddp_launch_train.py only in
 lines that are about their launch style or precision. A fix made in one script and not the others fails here."""
+import ast
 import difflib
 import os
 
@@ -42,3 +43,16 @@ def test_fsdp_keeps_the_shared_lines():
     dropped = [line for line in changed_lines("fsdp_train.py") if line.startswith("-")]
     unexpected = [line for line in dropped if not any(word in line for word in FSDP_MAY_DROP)]
     assert not unexpected, "\n".join(unexpected)
+
+
+def function_source(script, name):
+    text = open(os.path.join(ROOT, script)).read()
+    return next(ast.get_source_segment(text, node) for node in ast.parse(text).body
+                if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def test_torchrun_scripts_read_the_launcher_alike():
+    """launcher_env() lies before the compared part: its copies in the three torchrun scripts must be the same."""
+    ref = function_source("ddp_launch_train.py", "launcher_env")
+    for script in ("ddp_amp_train.py", "fsdp_train.py"):
+        assert function_source(script, "launcher_env") == ref, f"{script}: launcher_env() differs"
