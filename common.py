@@ -61,7 +61,7 @@ def check_args(args):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if not _parse_shape(getattr(args, "synthetic_shape", "1x28x28")):
+    if not _parse_shape(args.synthetic_shape):
         raise UsageError(f"--synthetic-shape must be CxHxW with positive integers and H, W at least 7, got {args.synthetic_shape!r}")
     if args.lr < 0:
         raise UsageError(f"--lr must not be negative, got {args.lr}")
@@ -188,7 +188,7 @@ def load_data(args, download=False):
     """(train_set, val_set) for --dataset. With download=True (rank 0 only) fetch what is missing."""
     d = args.dataset
     if d == "synthetic":
-        shape = _parse_shape(getattr(args, "synthetic_shape", "1x28x28"))
+        shape = _parse_shape(args.synthetic_shape)
         xt, yt = synthetic(args.train_size or 10000, args.seed, args.seed, shape)
         xv, yv = synthetic(args.val_size or 2000, args.seed + 10**6, args.seed, shape)
         mean, std = xt.mean(), xt.std()
