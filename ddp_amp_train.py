@@ -9,6 +9,7 @@ GPUs) underflows small gradients unless the loss is scaled: GradScaler scales it
 overflowed, and adapts the scale; its state goes into the checkpoint, as Apex's amp.state_dict() did. Launched like
 ddp_launch_train.py (torchrun, srun, or one process).
 """
+import argparse
 import contextlib
 import datetime
 import os
@@ -273,8 +274,9 @@ if __name__ == "__main__":
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true",
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
-    parser.add_argument("--local_rank", "--local-rank", type=int,
-                        help="ignored: the rank comes from LOCAL_RANK (accepted for the old torch.distributed.launch)")
+    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
+    # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rank, world_size, local_rank, local_world_size = launcher_env()
     # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`

@@ -8,6 +8,7 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; srun sets SLURM_PROCID, SLURM_STEP_NUM_TASKS and
 SLURM_LOCALID. Each process trains on its shard of every global batch; DDP averages the gradients.
 """
+import argparse
 import contextlib
 import datetime
 import os
@@ -258,8 +259,9 @@ if __name__ == "__main__":
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true",
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
-    parser.add_argument("--local_rank", "--local-rank", type=int,
-                        help="ignored: the rank comes from LOCAL_RANK (accepted for the old torch.distributed.launch)")
+    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
+    # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rank, world_size, local_rank, local_world_size = launcher_env()
     # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`

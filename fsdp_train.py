@@ -335,8 +335,9 @@ if __name__ == "__main__":
                         "its backward (default: least memory, ZeRO-3). --no-reshard-after-forward keeps them from "
                         "forward to backward (ZeRO-2-like): one all-gather fewer per block and step, for when the full "
                         "parameters fit next to the activations and communication is the bottleneck")
-    parser.add_argument("--local_rank", "--local-rank", type=int,
-                        help="ignored: the rank comes from LOCAL_RANK (accepted for the old torch.distributed.launch)")
+    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
+    # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rank, world_size, local_rank, local_world_size = launcher_env()
     # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`

@@ -1,6 +1,7 @@
 """The launchers for real, on CPU with gloo: torchrun restarting a killed worker (one node, and two elastic nodes),
-two torchrun "nodes" on one machine, SLURM (srun, sbatch, the example batch script) on a one-node cluster started for
-the tests, and a process killed while it writes its checkpoint.
+two torchrun "nodes" on one machine, the deprecated torch.distributed.launch (one node and two), SLURM (srun, sbatch,
+the example batch script) on a one-node cluster started for the tests, and a process killed while it writes its
+checkpoint.
 
 Runs that are compared bit for bit use one thread per process (OMP_NUM_THREADS=1): the same arithmetic everywhere.
 Every command started here is killed, with every process under it, at its time limit (TIMEOUT); Python processes
@@ -161,9 +162,9 @@ def test_torchrun_restart_after_a_killed_worker_ends_with_the_uninterrupted_weig
 
 
 # ---- 2. two nodes (two torchrun agents) on one machine
-def two_nodes(tmp_path, name, *more):
+def two_nodes(tmp_path, name, *more, launcher=torchrun):
     port = free_port()
-    nodes = [Proc(torchrun("--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+    nodes = [Proc(launcher("--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
                            f"--master_port={port}") + script_args("ddp_launch_train.py", tmp_path / f"node{r}", *more),
                   tmp_path / f"{name}-node{r}.log") for r in (0, 1)]
     try:
@@ -236,7 +237,28 @@ def test_elastic_two_nodes_restart_together_after_a_worker_dies(reference, tmp_p
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
-# ---- 3. SLURM
+# ---- 3. the deprecated `python -m torch.distributed.launch`, as older tutorials type it
+def deprecated_launch(*launcher_args):
+    return [sys.executable, "-m", "torch.distributed.launch", *launcher_args]
+
+
+@pytest.mark.parametrize("script, use_env", [("ddp_launch_train.py", False), ("ddp_amp_train.py", True)])
+def test_the_deprecated_launcher_trains_as_torchrun(script, use_env, reference, tmp_path):
+    """Without --use-env it passes --local-rank=N before the script's arguments (and sets LOCAL_RANK); with it,
+    nothing."""
+    log = run(deprecated_launch("--nproc_per_node=2", f"--master_port={free_port()}", *["--use-env"] * use_env)
+              + script_args(script, tmp_path / "run"), tmp_path / "log")
+    assert "torch.distributed.launch is deprecated" in log  # it really was the old launcher
+    assert_same_weights(weights(tmp_path / "run" / "last.pt"), reference(script))
+
+
+def test_the_deprecated_launcher_on_two_nodes_trains_as_torchrun(reference, tmp_path):
+    two_nodes(tmp_path, "launch", launcher=deprecated_launch)  # --nnodes=2 --node_rank=0/1 --master_addr=127.0.0.1
+    assert "torch.distributed.launch is deprecated" in (tmp_path / "launch-node1.log").read_text()
+    assert_same_weights(weights(tmp_path / "node0" / "last.pt"), reference("ddp_launch_train.py"))
+
+
+# ---- 4. SLURM
 def sbatch(cluster, args, tmp_path, cwd=REPO):
     """Submit a batch job and wait for its end (polling faster than `sbatch --wait`); fail unless it completed."""
     env = clean_env(cluster.env())
@@ -290,7 +312,7 @@ def test_the_example_sbatch_script_trains_on_the_cluster(slurm_cluster, referenc
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
-# ---- 4. a process killed while it writes a checkpoint leaves the previous one intact
+# ---- 5. a process killed while it writes a checkpoint leaves the previous one intact
 DIE_IN_SECOND_SAVE = r"""
 import io, os, runpy, shutil, signal, sys
 import torch

@@ -56,3 +56,43 @@ def test_torchrun_scripts_read_the_launcher_alike():
     ref = function_source("ddp_launch_train.py", "launcher_env")
     for script in ("ddp_amp_train.py", "fsdp_train.py"):
         assert function_source(script, "launcher_env") == ref, f"{script}: launcher_env() differs"
+
+
+def launcher_scripts():
+    """Every script that a launcher starts (torchrun, srun, the old torch.distributed.launch), present or future."""
+    return sorted(f for f in os.listdir(ROOT)
+                  if f.endswith("_train.py") and "def launcher_env" in open(os.path.join(ROOT, f)).read())
+
+
+PARSE_ONLY = """
+import argparse, json, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+def parse_and_stop(parser, *args, **kwargs):
+    ns = parse(parser, *args, **kwargs)
+    print(json.dumps([sys.argv, ns.local_rank, parser.format_help()]))
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_and_stop
+for script in sys.argv[1:]:
+    for form in ("--local-rank=3", "--local_rank=3"):
+        sys.argv = [script, form, "--epochs", "1"]
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            assert e.code == 0, sys.argv
+"""
+
+
+def test_launcher_scripts_take_the_old_launchers_local_rank_without_listing_it():
+    """torch.distributed.launch (without --use-env) puts --local-rank=N before the script's arguments; older
+    versions wrote --local_rank=N. Both are accepted, and neither is shown among the script's own flags."""
+    import json
+    import subprocess
+    import sys
+    scripts = launcher_scripts()
+    assert {"ddp_launch_train.py", "ddp_amp_train.py", "fsdp_train.py"} <= set(scripts)
+    p = subprocess.run([sys.executable, "-c", PARSE_ONLY, *scripts], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    parsed = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(parsed) == 2 * len(scripts)
+    for argv, local_rank, usage in parsed:
+        assert local_rank == 3 and "--epochs" in usage and "--local" not in usage, argv
