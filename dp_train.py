@@ -2,6 +2,7 @@
 
     python dp_train.py                 # all visible GPUs, or the CPU where there is none
     python dp_train.py --gpus 0,1      # these GPUs only
+    CUDA_VISIBLE_DEVICES=2,3 python dp_train.py   # physical GPUs 2 and 3, which the script sees as 0 and 1
 
 The simplest way to use several GPUs, and the slowest: one Python process (one GIL) scatters every batch, copies
 the model to every GPU at every step, and gathers the results on GPU 0, which therefore holds more memory than the
@@ -43,13 +44,18 @@ def main(args):
     # ---- setup: one process; DataParallel splits each batch over the GPUs in --gpus
     common.check_args(args)
     use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
-    gpus = []
-    if use_cuda:
-        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
-        if not gpus or not all(0 <= g < torch.cuda.device_count() for g in gpus):
-            raise common.UsageError(f"--gpus {args.gpus}: this machine has GPUs 0..{torch.cuda.device_count() - 1}")
-    elif args.gpus:
-        raise common.UsageError(f"--gpus {args.gpus}, but training on the CPU (no CUDA GPU here, or --device cpu)")
+    # GPU numbers count the visible GPUs: with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means physical GPUs 2 and 3
+    visible = torch.cuda.device_count() if use_cuda else 0
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    try:
+        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(visible))
+    except ValueError:
+        raise common.UsageError(f"--gpus {args.gpus}: give GPU numbers such as 0,1") from None
+    if args.gpus and not use_cuda:
+        raise common.UsageError(f"--gpus {args.gpus}: no GPU is visible{shown}, or --device cpu: training on the CPU")
+    if not all(0 <= g < visible for g in gpus):
+        raise common.UsageError(f"--gpus {args.gpus}: {visible} GPUs are visible{shown}, numbered 0 to {visible - 1}")
     device = torch.device(f"cuda:{gpus[0]}" if use_cuda else "cpu")  # parameters live here, copied to the others
     output_device = args.output_device if args.output_device is not None else device.index
     if use_cuda and output_device not in range(torch.cuda.device_count()):
@@ -231,7 +237,8 @@ def evaluate(model, forward, loader, device, memory_format):
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.add_argument("--gpus", help="comma-separated GPU ids to use, e.g. 0,1 (default: all)")
+    parser.add_argument("--gpus", help="comma-separated GPU numbers to use, e.g. 0,1, counted among the visible ones "
+                        "(CUDA_VISIBLE_DEVICES); default: all visible")
     parser.add_argument("--output-device", type=int,
                         help="GPU that receives the gathered outputs (default: the first of --gpus)")
     parser.add_argument("--gather-outputs", action="store_true",

@@ -85,6 +85,12 @@ def test_bad_input_other_scripts(tmp_path, script):
     assert not os.listdir(tmp_path)
 
 
+def test_dp_gpus_count_the_visible_gpus(tmp_path):
+    p = run("dp_train.py", "--gpus", 1, "--out-dir", tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"}, check=False)
+    assert "--gpus 1: " in one_error_line(p) and "(CUDA_VISIBLE_DEVICES=0)" in one_error_line(p)
+    assert not os.listdir(tmp_path)
+
+
 NAN = ["--train-size", 384, "--val-size", 50, "--batch-size", 12, "--lr", 1e6, "--log-every", 5, "--save-every", 2]
 
 
