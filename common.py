@@ -28,9 +28,15 @@ def get_parser(doc):
     a("--data-dir", default="./data", help="where mnist/cifar10 are downloaded to; for imagefolder, the folder holding train/ and val/")
     a("--train-size", type=int, help="number of training samples (synthetic: default 10000; real data: a subset, default all)")
     a("--val-size", type=int, help="number of validation samples (synthetic: default 2000; real data: a subset, default all)")
-    a("--image-size", type=int, default=224, help="imagefolder: images are resized to this square size")
+    a("--image-size", type=int, help="imagefolder: images are resized to this square size (default 224; with "
+      "--pretrained: the crop size, default the weights' own)")
     a("--synthetic-shape", default="1x28x28", help="synthetic: the image shape CxHxW, e.g. 3x224x224 for ImageNet models")
     a("--model", default="cnn", help="cnn (small 2-conv net) or any torchvision classification model by name, e.g. resnet18")
+    a("--pretrained", action="store_true", help="start from the torchvision model's default ImageNet weights, with a "
+      "new head for this data's classes and the weights' own preprocessing (fetched once per machine into the torch "
+      "hub cache)")
+    a("--freeze-backbone", action="store_true", help="train only the classifier head; the rest (BatchNorm statistics "
+      "included) keeps the --pretrained or --weights values")
     a("--epochs", type=int, default=2, help="number of passes over the training set")
     a("--batch-size", type=int, default=64, help="batch size per process (per GPU); the global batch is this times the number of processes")
     a("--lr", type=float, default=0.01, help="peak learning rate, for the global batch: it is NOT rescaled with the number of processes")
@@ -45,7 +51,8 @@ def get_parser(doc):
     a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
     a("--save-every", type=int, help="also write last.pt every N optimizer steps, not only at epoch ends")
     a("--resume", help="checkpoint to continue from, or 'auto': the last.pt in --out-dir if there is one")
-    a("--weights", help="initialize the model from this state_dict or checkpoint (fine-tuning); optimizer and schedule start fresh")
+    a("--weights", help="initialize the model from this state_dict or checkpoint; tensors of other names or shapes "
+      "(another head size or channel count) keep their fresh values. Optimizer and schedule start fresh")
     a("--log-every", type=int, default=20, help="update the progress bar (a host sync) and check for NaN/inf every N steps")
     a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir (needs: pip install tensorboard)")
     a("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
@@ -71,6 +78,14 @@ def check_args(args):
         import torchvision
         if args.model not in torchvision.models.list_models(module=torchvision.models):
             raise UsageError(f"unknown --model {args.model!r}: use cnn or a torchvision classification model such as resnet18")
+    if args.pretrained and args.model == "cnn":
+        raise UsageError("--pretrained needs a torchvision model (e.g. --model resnet50): cnn has no pretrained "
+                         "weights")
+    if args.pretrained and args.weights:
+        raise UsageError("--pretrained and --weights both set the starting weights: choose one")
+    if args.freeze_backbone and not (args.pretrained or args.weights):
+        raise UsageError("--freeze-backbone needs --pretrained or --weights: a randomly initialized backbone is not "
+                         "worth freezing")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
     if args.tensorboard and not _has_module("tensorboard"):
@@ -106,6 +121,9 @@ def set_fast_math(device, deterministic):
 
 
 # ---- data
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
 class InMemory(torch.utils.data.Dataset):
     """Tensors in memory. Indexed by (epoch, list of indices): one tensor index makes the whole batch,
     no per-sample Python and no collate."""
@@ -128,15 +146,27 @@ class InMemory(torch.utils.data.Dataset):
 
 class ImageFiles(torch.utils.data.Dataset):
     """An ImageFolder decoded in DataLoader workers. Indexed by (epoch, index), so that its augmentation
-    draws from (seed, epoch, index) and not from a worker's RNG: results do not depend on --workers."""
+    draws from (seed, epoch, index) and not from a worker's RNG: results do not depend on --workers.
+    With `weights` (--pretrained), the weights' own preprocessing: validation exactly as theirs (resize, center crop,
+    their mean/std), training the augmentation of torchvision's recipes (random resized crop, flip, same mean/std)."""
 
-    def __init__(self, root, size, augment, seed):
-        from torchvision import datasets, transforms
-        self.folder = datasets.ImageFolder(root)
-        self.classes, self.channels = len(self.folder.classes), 3
-        self.to_tensor = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
-                                             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
-        self.augment, self.seed = augment, seed
+    def __init__(self, root, size, augment, seed, weights=None):
+        from torchvision import datasets, transforms as T
+        self.folder = datasets.ImageFolder(root)  # its loader converts every image to RGB, grayscale ones too
+        self.classes, self.channels, self.seed = len(self.folder.classes), 3, seed
+        if weights is None:
+            size = size or 224
+            self.transform = T.Compose([T.Resize((size, size)), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+            self.crop_flip, self.random = augment, False  # augmented on the tensor, see crop_flip
+            return
+        preset = weights.transforms()  # resize, center crop, the weights' mean/std: how the weights were evaluated
+        if size:  # another crop size, the resize scaled with it
+            resize = round(size * preset.resize_size[0] / preset.crop_size[0])
+            preset = weights.transforms(crop_size=size, resize_size=resize)
+        self.transform, self.crop_flip, self.random = preset, False, augment
+        if augment:
+            self.transform = T.Compose([T.RandomResizedCrop(preset.crop_size, interpolation=preset.interpolation),
+                                        T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(preset.mean, preset.std)])
 
     def __len__(self):
         return len(self.folder)
@@ -144,9 +174,14 @@ class ImageFiles(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, i = key
         path, label = self.folder.samples[i]
-        x = self.to_tensor(self.folder.loader(path).convert("RGB"))[None]
-        if self.augment:
-            x = crop_flip(x, per_sample_random(self.seed, epoch, torch.tensor([i])), pad=x.shape[-1] // 8)
+        r = per_sample_random(self.seed, epoch, torch.tensor([i]))
+        if self.random:  # torchvision's random transforms draw from torch's RNG: seeded for this sample, then restored
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(r))
+                return self.transform(self.folder.loader(path)), label
+        x = self.transform(self.folder.loader(path))[None]
+        if self.crop_flip:
+            x = crop_flip(x, r, pad=x.shape[-1] // 8)
         return x[0], label
 
 
@@ -185,20 +220,25 @@ def synthetic(n, seed, templates_seed, shape=(1, 28, 28)):
 
 
 def load_data(args, download=False):
-    """(train_set, val_set) for --dataset. With download=True (rank 0 only) fetch what is missing."""
+    """(train_set, val_set) for --dataset. With download=True (rank 0 only) fetch what is missing.
+    With --pretrained, images are normalized as the weights expect, and grayscale ones repeated to 3 channels."""
     d = args.dataset
+    weights = pretrained_weights(args.model) if args.pretrained else None
     if d == "synthetic":
         shape = _parse_shape(args.synthetic_shape)
         xt, yt = synthetic(args.train_size or 10000, args.seed, args.seed, shape)
         xv, yv = synthetic(args.val_size or 2000, args.seed + 10**6, args.seed, shape)
         mean, std = xt.mean(), xt.std()
-        return InMemory((xt - mean) / std, yt), InMemory((xv - mean) / std, yv)
+        xt, xv = (xt - mean) / std, (xv - mean) / std
+        if weights:
+            xt, xv = _to_rgb(xt), _to_rgb(xv)
+        return InMemory(xt, yt), InMemory(xv, yv)
     if d == "imagefolder":
         sets = []
         for split in ("train", "val"):
             root = os.path.join(args.data_dir, split)
             try:
-                sets.append(ImageFiles(root, args.image_size, augment=split == "train", seed=args.seed))
+                sets.append(ImageFiles(root, args.image_size, split == "train", args.seed, weights))
             except (FileNotFoundError, OSError) as e:
                 raise UsageError(f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
         if sets[0].folder.classes != sets[1].folder.classes:
@@ -208,6 +248,8 @@ def load_data(args, download=False):
     from torchvision import datasets
     cls, mean, std = {"mnist": (datasets.MNIST, [0.1307], [0.3081]),
                       "cifar10": (datasets.CIFAR10, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])}[d]
+    if weights:  # the mean/std the pretrained model was trained with (at this data's own resolution: see the README)
+        mean, std = weights.transforms().mean, weights.transforms().std
     out = []
     for train, n in ((True, args.train_size), (False, args.val_size)):
         try:
@@ -216,11 +258,19 @@ def load_data(args, download=False):
             where = os.path.join(args.data_dir, *(("MNIST", "raw") if d == "mnist" else ("cifar-10-batches-py",)))
             raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put its "
                              f"files in {where}, or use --dataset synthetic, which needs no download") from None
-        x = torch.as_tensor(ds.data).float().div(255)
+        x = torch.as_tensor(ds.data[:n]).float().div(255)
         x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)  # MNIST: N,H,W; CIFAR: N,H,W,C
+        if weights:
+            x = _to_rgb(x)
         x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-        out.append(InMemory(x[:n].contiguous(), torch.as_tensor(ds.targets)[:n], augment=train and d == "cifar10", seed=args.seed))
+        y = torch.as_tensor(ds.targets)[:n]
+        out.append(InMemory(x.contiguous(), y, augment=train and d == "cifar10", seed=args.seed))
     return tuple(out)
+
+
+def _to_rgb(x):
+    """Grayscale (N, 1, H, W) as 3 equal channels, so that a pretrained model keeps its first layer."""
+    return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x
 
 
 def _subset(ds, n):
@@ -289,6 +339,86 @@ def make_model(name, channels, classes):
     return model
 
 
+def pretrained_weights(name):
+    """The default (best) ImageNet weights of torchvision model `name`: their URL, preprocessing and metadata."""
+    import torchvision
+    return torchvision.models.get_model_weights(name).DEFAULT
+
+
+def fetch_pretrained(name):
+    """Download the default weights of `name` into the torch hub cache ($TORCH_HOME/hub/checkpoints), unless they are
+    there already. Run by one process per machine, while the others wait: no two processes write the same file."""
+    import torchvision
+    weights = pretrained_weights(name)
+    folder = os.path.join(torch.hub.get_dir(), "checkpoints")
+    try:
+        torchvision.models.get_model(name, weights=weights)  # the download checks the file's hash
+    except Exception as e:  # no network, a proxy, a partial file...
+        raise UsageError(f"could not get the {weights} weights ({type(e).__name__}): put "
+                         f"{os.path.basename(weights.url)} (from {weights.url}) in {folder}") from None
+
+
+def load_pretrained(model, name, channels, classes):
+    """Load the default weights of `name` (from the cache fetch_pretrained filled) into `model`, all but the classifier
+    head, which keeps its fresh initialization for this data's classes. Returns one line saying so."""
+    import torchvision
+    weights = pretrained_weights(name)
+    # through torchvision's own builder, which also adapts older weight files (densenet's key names, for one)
+    state = torchvision.models.get_model(name, weights=weights, progress=False).state_dict()
+    hits, note = matching(model, state, str(weights), skip=head_names(name, channels, classes))
+    model.load_state_dict(hits, strict=False)
+    return note
+
+
+def head_names(name, channels, classes):
+    """Names of the classifier head's tensors: those whose shape depends on the number of classes (found by building
+    the model for one class more, on the meta device: no memory, no weights initialized, no random numbers drawn)."""
+    with torch.device("meta"):
+        a, b = (make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+    return {k for k in a if a[k].shape != b[k].shape}
+
+
+def matching(model, state, source, skip=()):
+    """The tensors of `state` whose name and shape match `model`'s (a DDP `module.` or torch.compile `_orig_mod.` prefix
+    ignored), and one line saying what was left out. No match at all is an error, not a silently fresh model."""
+    own = model.state_dict()
+    names = {}
+    for k in state:
+        name = k
+        while name.startswith(("module.", "_orig_mod.")):
+            name = name.split(".", 1)[1]
+        names[name] = k
+    hits = {n: state[k] for n, k in names.items()
+            if n in own and n not in skip and torch.is_tensor(state[k]) and state[k].shape == own[n].shape}
+    if not hits:
+        raise UsageError(f"{source} holds no tensor of this --model's names and shapes: is it a "
+                         f"{model.__class__.__name__}?")
+    fresh, unused = [n for n in own if n not in hits], [n for n in names if n not in own]
+    listed = lambda names: ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return hits, (f"{source}: loaded {len(hits)} of the model's {len(own)} tensors"
+                  + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
+                  + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""))
+
+
+def freeze_backbone(model, name, channels, classes):
+    """Only the classifier head keeps requires_grad. Called before DDP wraps the model: DDP then leaves the frozen
+    parameters out of its gradient buckets, and no find_unused_parameters is needed."""
+    head = head_names(name, channels, classes)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in head)
+
+
+def train_mode(model, frozen_backbone):
+    """model.train(); but a frozen backbone stays frozen whole: its BatchNorm layers normalize with the pretrained
+    running statistics (eval mode) instead of each GPU's batch statistics, which would depend on the per-GPU batch
+    size, drift from what the weights were trained with, and change the saved buffers."""
+    model.train()
+    if frozen_backbone:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
 def lr_schedule(warmup_steps, total_steps):
     """Multiplier of the peak LR at each optimizer step: linear warmup, then cosine decay to 0."""
     def f(step):
@@ -299,10 +429,10 @@ def lr_schedule(warmup_steps, total_steps):
 
 
 def make_optimizer(args, model):
-    fused = dict(foreach=True)
+    params = [p for p in model.parameters() if p.requires_grad]  # with --freeze-backbone: the head only
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay, **fused)
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay, foreach=True)
 
 
 # ---- checkpoints and metrics
@@ -327,8 +457,7 @@ def save_atomic(obj, path):
         os.close(fd)
 
 
-def load_checkpoint(path, model):
-    """Read a checkpoint (or a bare state_dict) on this rank and check that it fits `model`."""
+def _read(path):
     if not os.path.isfile(path):
         raise UsageError(f"no such checkpoint: {path}")
     try:
@@ -336,11 +465,29 @@ def load_checkpoint(path, model):
     except Exception as e:
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict):
+        raise UsageError(f"{path} holds no state_dict")
+    return ckpt, state
+
+
+def load_checkpoint(path, model):
+    """Read a checkpoint of this collection on this rank and check that it fits `model` exactly (to resume)."""
+    ckpt, state = _read(path)
     expected = model.state_dict()
-    if not isinstance(state, dict) or {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)} != \
-            {k: tuple(v.shape) for k, v in expected.items()}:
+    shapes = {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}
+    if shapes != {k: tuple(v.shape) for k, v in expected.items()}:
         raise UsageError(f"{path} does not hold weights of this --model (names or shapes differ)")
-    return ckpt if "model" in ckpt else {"model": ckpt}
+    return ckpt
+
+
+def load_weights(path, model):
+    """--weights: a state_dict or a checkpoint of any script of this collection (or of another tool), read on this
+    rank. Returns a full state dict for `model`: the file's tensors where name and shape match, `model`'s own fresh ones
+    elsewhere (another head size, another channel count). Prints one line saying what was left out."""
+    _, state = _read(path)
+    hits, note = matching(model, state, path)
+    print(note)
+    return {**{k: v.clone() for k, v in model.state_dict().items()}, **hits}
 
 
 def append_metrics(out_dir, row, keep_until_epoch=None):
@@ -369,19 +516,22 @@ def peak_memory_mb(device):
 
 
 def on_rank0(fn, rank):
-    """fn() on rank 0 only (rank 0 decides and reads; nodes need not share a filesystem). Its UsageError is raised
-    on every rank, so that no rank is left waiting in a collective for one that failed."""
+    """fn() where `rank` is 0, while the other processes wait: give the global rank for once in all (rank 0 decides and
+    reads; nodes need not share a filesystem), the local rank for once per machine. A UsageError of any of them is
+    raised on every rank, so that no rank is left waiting in a collective for one that failed."""
     import torch.distributed as dist
-    result, error = None, [None]
+    result, error = None, None
     if rank == 0:
         try:
             result = fn()
         except UsageError as e:
-            error = [str(e)]
+            error = str(e)
     if dist.is_initialized():
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UsageError(error)
     return result
 
 
@@ -421,7 +571,7 @@ def torchrun_store(rank, world_size, timeout):
     return dist.PrefixStore(prefix, store)
 
 
-def find_checkpoint(resume, out_dir, model):
+def find_checkpoint(resume, out_dir, model, freeze_backbone):
     """The checkpoint --resume names, read and checked against `model`, or None for a fresh start."""
     if not resume:
         return None
@@ -431,4 +581,7 @@ def find_checkpoint(resume, out_dir, model):
     ckpt = load_checkpoint(path, model)
     if "optimizer" not in ckpt:
         raise UsageError(f"{path} holds weights only, not a training state to resume: use --weights {path}")
+    if ckpt.get("args", {}).get("freeze_backbone", False) != freeze_backbone:  # its optimizer holds other parameters
+        raise UsageError(f"{path} was trained {'with' if not freeze_backbone else 'without'} --freeze-backbone: "
+                         "resume it the same way")
     return ckpt

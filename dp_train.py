@@ -82,8 +82,13 @@ def main(args):
     # ---- model
     torch.manual_seed(args.seed)
     raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
-    if args.weights:
-        raw_model.load_state_dict(common.load_checkpoint(args.weights, raw_model)["model"])
+    if args.pretrained:  # downloaded into the torch hub cache, unless there already
+        common.fetch_pretrained(args.model)
+        print(common.load_pretrained(raw_model, args.model, train_set.channels, train_set.classes))
+    if args.weights:  # any head size or channel count: what matches by name and shape is loaded
+        raw_model.load_state_dict(common.load_weights(args.weights, raw_model))
+    if args.freeze_backbone:
+        common.freeze_backbone(raw_model, args.model, train_set.channels, train_set.classes)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     raw_model.to(device, memory_format=memory_format)
     if args.compile:
@@ -107,7 +112,7 @@ def main(args):
         optimizer, common.lr_schedule(round(args.warmup_epochs * steps_per_epoch), total_steps))
 
     # ---- resume: a checkpoint of any script of this collection, written with any number of processes
-    ckpt = common.find_checkpoint(args.resume, out_dir, raw_model)
+    ckpt = common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone)
     meta = ckpt or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
     if ckpt:
         options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
@@ -139,7 +144,7 @@ def main(args):
         # set_epoch reshuffles. Forget it and every epoch repeats epoch 0's order
         sampler.set_epoch(epoch)
         train_loader.batches.skip = step_in_epoch  # a resumed epoch skips the batches it had already trained on
-        model.train()
+        common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # the sum of step losses, this epoch
         if master and epoch == start_epoch:  # a resumed epoch: what the saved part of it added
             loss_sum += meta["loss_sum"] * world_size

@@ -106,10 +106,17 @@ def main(args, rank, world_size, local_rank, local_world_size):
     # ---- model: build it the same on every rank, then shard it: each rank keeps its 1/N of every parameter
     torch.manual_seed(args.seed)
     raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
+    if args.pretrained:  # one process per machine downloads them into the torch hub cache, then every rank reads them
+        common.on_rank0(lambda: common.fetch_pretrained(args.model), local_rank)
+        note = common.load_pretrained(raw_model, args.model, train_set.channels, train_set.classes)
+        if master:
+            print(note)
     # rank 0 reads the weights; FSDP2 does not broadcast at wrapping: set_model_state_dict sends them to every shard
     weights = None
-    if args.weights:
-        weights = common.on_rank0(lambda: common.load_checkpoint(args.weights, raw_model)["model"], rank)
+    if args.weights:  # any head size or channel count: what matches by name and shape is loaded
+        weights = common.on_rank0(lambda: common.load_weights(args.weights, raw_model), rank)
+    if args.freeze_backbone:  # before sharding: the sharded parameters keep requires_grad
+        common.freeze_backbone(raw_model, args.model, train_set.channels, train_set.classes)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     raw_model.to(device, memory_format=memory_format)
     shard(raw_model, init_device_mesh(device.type, (world_size,)), args.precision, args.reshard_after_forward)
@@ -126,7 +133,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
         optimizer, common.lr_schedule(round(args.warmup_epochs * steps_per_epoch), total_steps))
 
     # ---- resume: rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed)
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model), rank)
+    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone), rank)
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     meta = meta[0] or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
@@ -165,7 +172,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
         # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
         sampler.set_epoch(epoch)
         train_loader.batches.skip = step_in_epoch  # a resumed epoch skips the batches it had already trained on
-        model.train()
+        common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # this rank's sum of step losses, this epoch
         if master and epoch == start_epoch:  # a resumed epoch: what the saved part of it added, as if on this rank
             loss_sum += meta["loss_sum"] * world_size

@@ -41,7 +41,10 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "truncated_resume": (["--resume", "{d}/truncated.pt"], "not a readable checkpoint"),
     "not_a_checkpoint": (["--resume", "{d}/notackpt.pt"], "not a readable checkpoint"),
     "other_architecture": (["--resume", "{d}/other_arch.pt"], "does not hold weights of this --model"),
-    "other_architecture_weights": (["--weights", "{d}/other_arch.pt"], "does not hold weights of this --model"),
+    "other_architecture_weights": (["--weights", "{d}/other_arch.pt"], "holds no tensor of this --model's names"),
+    # no network (a proxy that refuses): one line naming the file and the folder to put it in
+    "pretrained_offline": (["--model", "resnet18", "--pretrained"], "resnet18-f37072fd.pth (from https://download."
+                           "pytorch.org/models/resnet18-f37072fd.pth) in {d}/torch_home/hub/checkpoints"),
     "missing_resume": (["--resume", "{d}/nope.pt"], "no such checkpoint"),
     "device_cuda": (["--device", "cuda"], "no CUDA"),
     "backend_nccl": (["--backend", "nccl"], "nccl"),
@@ -51,7 +54,8 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "sync_bn_cpu": (["--sync-bn"], "--sync-bn"),
     "tensorboard_missing": (["--tensorboard"], "pip install tensorboard"),
 }
-TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture"}  # also checked under torchrun -n 2
+# also checked under torchrun -n 2
+TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline"}
 
 
 def one_error_line(p):
@@ -74,8 +78,9 @@ def test_bad_input(previous_run, name):
     out = previous_run / "out"
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     launch = dict(launcher="torchrun", nproc=2) if name in TWO_PROCESSES else {}
-    p = run("ddp_launch_train.py", *TINY, *args, "--out-dir", out, check=False, **launch)
-    assert words in one_error_line(p)
+    offline = {"TORCH_HOME": str(previous_run / "torch_home"), "https_proxy": "http://127.0.0.1:9"}
+    p = run("ddp_launch_train.py", *TINY, *args, "--out-dir", out, check=False, env=offline, **launch)
+    assert words.format(d=previous_run) in one_error_line(p)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing overwritten, nothing added
 
 

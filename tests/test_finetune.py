@@ -1,0 +1,146 @@
+"""Fine-tuning on your own images, without a network: --pretrained, --weights of another head or channel count, and
+--freeze-backbone. The "pretrained" weights are a generated resnet18 state_dict, saved where torchvision's cache
+looks for the real file ($TORCH_HOME/hub/checkpoints/<name from the weights' URL>): torchvision then loads it
+through its weights API with no download, which is the code path a user with the real file takes."""
+import types
+
+import pytest
+import torch
+
+import common
+from conftest import checkpoint, metrics, run
+
+CACHED_FILE = "resnet18-f37072fd.pth"  # ResNet18_Weights.DEFAULT.url ends with it
+
+
+@pytest.fixture(scope="module")
+def torch_home(tmp_path_factory):
+    import torchvision
+    assert torchvision.models.get_model_weights("resnet18").DEFAULT.url.endswith(CACHED_FILE)
+    home = tmp_path_factory.mktemp("torch_home")
+    (home / "hub" / "checkpoints").mkdir(parents=True)
+    torch.manual_seed(1234)
+    model = torchvision.models.resnet18()
+    for m in model.modules():  # running statistics unlike a fresh model's, so that any update to them shows
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.8, 1.2)
+    torch.save(model.state_dict(), home / "hub" / "checkpoints" / CACHED_FILE)
+    return home
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """A tiny ImageFolder: 3 classes told apart by colour, 8 training and 3 validation images each, one of each
+    class grayscale (read as RGB, like every file)."""
+    from PIL import Image
+    root = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 8), ("val", 3)):
+        for c, name in enumerate(["cat", "dog", "fox"]):
+            (root / split / name).mkdir(parents=True)
+            for i in range(n):
+                x = (torch.rand(40, 48, 3, generator=g) * 120).to(torch.uint8)
+                x[..., c] += 120
+                image = Image.fromarray(x.numpy())
+                (image.convert("L") if i == 0 else image).save(root / split / name / f"{i}.png")
+    return root
+
+
+def cached_weights(torch_home):
+    return torch.load(torch_home / "hub" / "checkpoints" / CACHED_FILE, map_location="cpu", weights_only=True)
+
+
+def fresh_model(name, channels, classes, seed=0):
+    """The model a script builds before loading anything into it (it seeds, then builds)."""
+    torch.manual_seed(seed)
+    return common.make_model(name, channels, classes).state_dict()
+
+
+def one_line_with(output, words):
+    lines = [line for line in output.splitlines() if words in line]
+    assert len(lines) == 1, output  # printed once, by rank 0 only
+    return lines[0]
+
+
+# 24 training images, global batch 8: 3 steps an epoch, 6 in all
+FINETUNE = ["--model", "resnet18", "--pretrained", "--freeze-backbone", "--image-size", 64, "--batch-size", 4,
+            "--epochs", 2, "--lr", 0.05, "--workers", 0]
+
+
+def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_processes(torch_home, images, tmp_path):
+    env = {"TORCH_HOME": str(torch_home)}
+    data = ["--dataset", "imagefolder", "--data-dir", images]
+    full = tmp_path / "full"
+    p = run("ddp_launch_train.py", *data, *FINETUNE, "--out-dir", full, launcher="torchrun", nproc=2, env=env)
+    note = one_line_with(p.stdout, "ResNet18_Weights.IMAGENET1K_V1: loaded 120 of the model's 122 tensors")
+    assert note.endswith("kept fresh (another shape, or not in the file): fc.weight, fc.bias")
+
+    ckpt, cached = checkpoint(str(full)), cached_weights(torch_home)
+    head = {"fc.weight", "fc.bias"}
+    # only the head learned: every other tensor, BatchNorm running statistics included, is the cached one bit for bit
+    assert ckpt["model"].keys() == cached.keys()
+    assert [k for k in cached if k not in head and not torch.equal(ckpt["model"][k], cached[k])] == []
+    assert ckpt["model"]["fc.weight"].shape == (3, 512) and ckpt["model"]["fc.bias"].shape == (3,)  # the folder's classes
+    init = fresh_model("resnet18", 3, 3)
+    assert (ckpt["model"]["fc.weight"] - init["fc.weight"]).abs().max() > 1e-3  # the head did train
+    assert sorted(ckpt["optimizer"]["param_groups"][0]["params"]) == sorted(head)  # the optimizer holds the head only
+    assert [r["epoch"] for r in metrics(str(full))] == [1, 2] and metrics(str(full))[0]["val_count"] == 9
+
+    # stopped mid-epoch 2 and resumed, by fsdp_train.py (the same flags), with DataLoader workers this time:
+    # the same run, bit for bit
+    part = tmp_path / "part"
+    more = ["--out-dir", part, "--workers", 2]
+    run("ddp_launch_train.py", *data, *FINETUNE, *more, "--max-steps", 4, launcher="torchrun", nproc=2, env=env)
+    assert checkpoint(str(part))["step_in_epoch"] == 1
+    p = run("fsdp_train.py", *data, *FINETUNE, *more, "--resume", "auto", launcher="torchrun", nproc=2, env=env)
+    assert "resuming at step 4" in p.stdout
+    resumed = checkpoint(str(part))
+    assert [k for k in ckpt["model"] if not torch.equal(resumed["model"][k], ckpt["model"][k])] == []
+    assert [r["epoch"] for r in metrics(str(part))] == [1, 2]
+
+    # resuming a frozen run without --freeze-backbone would load an optimizer state of other parameters
+    p = run("ddp_launch_train.py", *data, *[a for a in FINETUNE if a != "--freeze-backbone"], "--resume",
+            full / "last.pt", "--out-dir", tmp_path / "other", env=env, check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: {full / 'last.pt'} was trained with --freeze-backbone: resume it the same way"]
+
+
+def test_pretrained_on_grayscale_data_keeps_the_first_layer(torch_home, tmp_path):
+    """1-channel images are fed as 3 equal channels: the pretrained first convolution is kept, not replaced."""
+    out = tmp_path / "out"
+    p = run("dp_train.py", "--model", "resnet18", "--pretrained", "--synthetic-shape", "1x32x32", "--train-size", 64,
+            "--val-size", 16, "--batch-size", 32, "--epochs", 1, "--lr", 0, "--out-dir", out,
+            env={"TORCH_HOME": str(torch_home)})
+    one_line_with(p.stdout, "loaded 120 of the model's 122 tensors")
+    state, cached = checkpoint(str(out))["model"], cached_weights(torch_home)
+    assert state["conv1.weight"].shape == (64, 3, 7, 7)
+    params = [k for k, _ in common.make_model("resnet18", 3, 10).named_parameters()]  # BatchNorm statistics trained on
+    assert [k for k in params if not k.startswith("fc.") and not torch.equal(state[k], cached[k])] == []
+
+
+def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, tmp_path):
+    """A DDP-saved (module.) state_dict of a 1-channel, 10-class cnn, into a 3-channel, 3-class one (--lr 0: what is
+    saved is what was loaded)."""
+    torch.manual_seed(7)
+    theirs = common.make_model("cnn", 1, 10).state_dict()
+    torch.save({f"module.{k}": v for k, v in theirs.items()}, tmp_path / "theirs.pt")
+    out = tmp_path / "out"
+    p = run("dp_train.py", "--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 0, "--batch-size", 8,
+            "--epochs", 1, "--lr", 0, "--weights", tmp_path / "theirs.pt", "--out-dir", out)
+    note = one_line_with(p.stdout, "theirs.pt: loaded")
+    assert "loaded 5 of the model's 8 tensors; kept fresh (another shape, or not in the file): conv1.weight, fc2.weight, " \
+           "fc2.bias" in note
+    state, fresh = checkpoint(str(out))["model"], fresh_model("cnn", 3, 3)
+    for k in state:
+        expected = fresh[k] if k in ("conv1.weight", "fc2.weight", "fc2.bias") else theirs[k]
+        assert torch.equal(state[k], expected), k
+
+
+def test_fine_tuning_flags_that_cannot_work_are_one_line_errors():
+    args = types.SimpleNamespace(**{a.dest: a.default for a in common.get_parser("")._actions})
+    for change, words in (({"pretrained": True}, "--pretrained needs a torchvision model"),
+                          ({"model": "resnet18", "pretrained": True, "weights": "x.pt"}, "choose one"),
+                          ({"freeze_backbone": True}, "--freeze-backbone needs --pretrained or --weights")):
+        with pytest.raises(common.UsageError, match=words):
+            common.check_args(types.SimpleNamespace(**{**vars(args), **change}))
