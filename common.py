@@ -373,8 +373,12 @@ def load_pretrained(model, name, channels, classes):
 def head_names(name, channels, classes):
     """Names of the classifier head's tensors: those whose shape depends on the number of classes (found by building
     the model for one class more, on the meta device: no memory, no weights initialized, no random numbers drawn)."""
-    with torch.device("meta"):
-        a, b = (make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+    try:
+        with torch.device("meta"):
+            a, b = (make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+    except NotImplementedError:  # a builder that computes its layer sizes with tensors (regnet): on the CPU
+        with torch.random.fork_rng(devices=[]):
+            a, b = (make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
     return {k for k in a if a[k].shape != b[k].shape}
 
 
