@@ -328,7 +328,9 @@ def make_model(name, channels, classes):
     if name == "cnn":
         return Net(channels, classes)
     import torchvision
-    model = torchvision.models.get_model(name, num_classes=classes)
+    # googlenet and inception_v3 would return auxiliary outputs in training mode, which the loss does not take
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+    model = torchvision.models.get_model(name, num_classes=classes, **extra)
     if channels != 3:  # swap the first conv for one that takes this data's channels
         for parent in model.modules():
             for child_name, child in parent.named_children():
@@ -364,7 +366,10 @@ def load_pretrained(model, name, channels, classes):
     import torchvision
     weights = pretrained_weights(name)
     # through torchvision's own builder, which also adapts older weight files (densenet's key names, for one)
-    state = torchvision.models.get_model(name, weights=weights, progress=False).state_dict()
+    pretrained = torchvision.models.get_model(name, weights=weights, progress=False)
+    if hasattr(pretrained, "transform_input"):  # googlenet, inception_v3: weights made for inputs scaled otherwise
+        model.transform_input = pretrained.transform_input
+    state = pretrained.state_dict()
     hits, note = matching(model, state, str(weights), skip=head_names(name, channels, classes))
     model.load_state_dict(hits, strict=False)
     return note
