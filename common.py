@@ -1,6 +1,7 @@
 """What every training script shares and that does not depend on how processes are launched:
 the command line, data, models, checkpoint files and a few small helpers. Nothing runs at import."""
 import argparse
+import functools
 import json
 import math
 import os
@@ -175,9 +176,9 @@ class ImageFiles(torch.utils.data.Dataset):
         epoch, i = key
         path, label = self.folder.samples[i]
         r = per_sample_random(self.seed, epoch, torch.tensor([i]))
-        if self.random:  # torchvision's random transforms draw from torch's RNG: seeded for this sample, then restored
+        if self.random:  # torchvision's random transforms draw from torch's CPU RNG: seeded for this sample, restored
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(r))
+                torch.default_generator.manual_seed(int(r))  # (torch.manual_seed would reseed the GPUs' RNGs too)
                 return self.transform(self.folder.loader(path)), label
         x = self.transform(self.folder.loader(path))[None]
         if self.crop_flip:
@@ -270,6 +271,8 @@ def load_data(args, download=False):
 
 def _to_rgb(x):
     """Grayscale (N, 1, H, W) as 3 equal channels, so that a pretrained model keeps its first layer."""
+    if x.shape[1] not in (1, 3):
+        raise UsageError(f"--pretrained needs images of 1 or 3 channels, not {x.shape[1]}")
     return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x
 
 
@@ -324,12 +327,15 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+AUX_LOGITS = ("googlenet", "inception_v3")
+
+
 def make_model(name, channels, classes):
     if name == "cnn":
         return Net(channels, classes)
     import torchvision
     # googlenet and inception_v3 would return auxiliary outputs in training mode, which the loss does not take
-    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+    extra = dict(aux_logits=False, init_weights=True) if name in AUX_LOGITS else {}
     model = torchvision.models.get_model(name, num_classes=classes, **extra)
     if channels != 3:  # swap the first conv for one that takes this data's channels
         for parent in model.modules():
@@ -349,32 +355,35 @@ def pretrained_weights(name):
 
 def fetch_pretrained(name):
     """Download the default weights of `name` into the torch hub cache ($TORCH_HOME/hub/checkpoints), unless they are
-    there already. Run by one process per machine, while the others wait: no two processes write the same file."""
-    import torchvision
+    there already. Run by one process per machine while the others wait, so that they do not all download it."""
     weights = pretrained_weights(name)
-    folder = os.path.join(torch.hub.get_dir(), "checkpoints")
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
     try:
-        torchvision.models.get_model(name, weights=weights)  # the download checks the file's hash
-    except Exception as e:  # no network, a proxy, a partial file...
-        raise UsageError(f"could not get the {weights} weights ({type(e).__name__}): put "
-                         f"{os.path.basename(weights.url)} (from {weights.url}) in {folder}") from None
+        weights.get_state_dict(progress=True, check_hash=True)  # a download is checked against the hash in its name
+    except Exception as e:  # no network, a proxy, a truncated file...
+        if os.path.exists(path):
+            raise UsageError(f"{path} could not be read ({type(e).__name__}): delete it to download it again") from None
+        raise UsageError(f"could not download the {weights} weights ({type(e).__name__}): put "
+                         f"{os.path.basename(path)} (from {weights.url}) in {os.path.dirname(path)}") from None
 
 
-def load_pretrained(model, name, channels, classes):
-    """Load the default weights of `name` (from the cache fetch_pretrained filled) into `model`, all but the classifier
-    head, which keeps its fresh initialization for this data's classes. Returns one line saying so."""
+def load_pretrained(model, args, data):
+    """torchvision's model `args.model` with its default weights, read from the cache, and the fresh classifier head
+    of `model` (for this data's classes) in place of its own: returns it, and one line saying so. Built by
+    torchvision's builder, which also sets what the weights need (vit_h_14's image size, inception's
+    transform_input) and adapts older weight files (densenet's key names)."""
     import torchvision
-    weights = pretrained_weights(name)
-    # through torchvision's own builder, which also adapts older weight files (densenet's key names, for one)
-    pretrained = torchvision.models.get_model(name, weights=weights, progress=False)
-    if hasattr(pretrained, "transform_input"):  # googlenet, inception_v3: weights made for inputs scaled otherwise
-        model.transform_input = pretrained.transform_input
-    state = pretrained.state_dict()
-    hits, note = matching(model, state, str(weights), skip=head_names(name, channels, classes))
-    model.load_state_dict(hits, strict=False)
-    return note
+    weights = pretrained_weights(args.model)
+    extra = dict(aux_logits=False) if args.model in AUX_LOGITS else {}
+    pretrained = torchvision.models.get_model(args.model, weights=weights, progress=False, **extra)
+    head = head_names(args.model, data.channels, data.classes)
+    for path in sorted({name.rsplit(".", 1)[0] for name in head}):
+        pretrained.set_submodule(path, model.get_submodule(path))
+    return pretrained, (f"{weights}: every tensor loaded but the new head for {data.classes} classes "
+                        f"({', '.join(sorted(head))})")
 
 
+@functools.lru_cache
 def head_names(name, channels, classes):
     """Names of the classifier head's tensors: those whose shape depends on the number of classes (found by building
     the model for one class more, on the meta device: no memory, no weights initialized, no random numbers drawn)."""
@@ -384,37 +393,46 @@ def head_names(name, channels, classes):
     except NotImplementedError:  # a builder that computes its layer sizes with tensors (regnet): on the CPU
         with torch.random.fork_rng(devices=[]):
             a, b = (make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
-    return {k for k in a if a[k].shape != b[k].shape}
+    return frozenset(k for k in a if a[k].shape != b[k].shape)
 
 
-def matching(model, state, source, skip=()):
-    """The tensors of `state` whose name and shape match `model`'s (a DDP `module.` or torch.compile `_orig_mod.` prefix
-    ignored), and one line saying what was left out. No match at all is an error, not a silently fresh model."""
-    own = model.state_dict()
-    names = {}
+def load_weights(model, args, data):
+    """--weights: a state_dict or a checkpoint (this collection's, or another tool's: a DDP `module.` or torch.compile
+    `_orig_mod.` prefix is ignored), read on this rank. Returns a full state dict for `model`: the file's tensors
+    where name and shape match, `model`'s own fresh ones elsewhere (another head size, another channel count).
+    Prints one line saying what was left out. No match at all is an error, not a silently fresh model; so is a
+    backbone tensor left fresh under --freeze-backbone, which would freeze it at its random start."""
+    _, state = _read(args.weights)
+    own, names = model.state_dict(), {}
     for k in state:
         name = k
         while name.startswith(("module.", "_orig_mod.")):
             name = name.split(".", 1)[1]
         names[name] = k
     hits = {n: state[k] for n, k in names.items()
-            if n in own and n not in skip and torch.is_tensor(state[k]) and state[k].shape == own[n].shape}
+            if n in own and torch.is_tensor(state[k]) and state[k].shape == own[n].shape}
     if not hits:
-        raise UsageError(f"{source} holds no tensor of this --model's names and shapes: is it a "
+        raise UsageError(f"{args.weights} holds no tensor of this --model's names and shapes: is it a "
                          f"{model.__class__.__name__}?")
     fresh, unused = [n for n in own if n not in hits], [n for n in names if n not in own]
     listed = lambda names: ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return hits, (f"{source}: loaded {len(hits)} of the model's {len(own)} tensors"
-                  + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
-                  + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""))
+    if args.freeze_backbone:
+        frozen_fresh = [n for n in fresh if n not in head_names(args.model, data.channels, data.classes)]
+        if frozen_fresh:
+            raise UsageError(f"--freeze-backbone would freeze tensors that {args.weights} does not hold: "
+                             f"{listed(frozen_fresh)}")
+    print(f"{args.weights}: loaded {len(hits)} of the model's {len(own)} tensors"
+          + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
+          + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""))
+    return {**{k: v.clone() for k, v in own.items()}, **hits}
 
 
-def freeze_backbone(model, name, channels, classes):
+def freeze_backbone(model, args, data):
     """Only the classifier head keeps requires_grad. Called before DDP wraps the model: DDP then leaves the frozen
     parameters out of its gradient buckets, and no find_unused_parameters is needed."""
-    head = head_names(name, channels, classes)
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in head)
+    head = head_names(args.model, data.channels, data.classes)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in head)
 
 
 def train_mode(model, frozen_backbone):
@@ -487,16 +505,6 @@ def load_checkpoint(path, model):
     if shapes != {k: tuple(v.shape) for k, v in expected.items()}:
         raise UsageError(f"{path} does not hold weights of this --model (names or shapes differ)")
     return ckpt
-
-
-def load_weights(path, model):
-    """--weights: a state_dict or a checkpoint of any script of this collection (or of another tool), read on this
-    rank. Returns a full state dict for `model`: the file's tensors where name and shape match, `model`'s own fresh ones
-    elsewhere (another head size, another channel count). Prints one line saying what was left out."""
-    _, state = _read(path)
-    hits, note = matching(model, state, path)
-    print(note)
-    return {**{k: v.clone() for k, v in model.state_dict().items()}, **hits}
 
 
 def append_metrics(out_dir, row, keep_until_epoch=None):

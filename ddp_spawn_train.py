@@ -79,13 +79,13 @@ def main(rank, world_size, args):
     raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
     if args.pretrained:  # one process per machine downloads them into the torch hub cache, then every rank reads them
         common.on_rank0(lambda: common.fetch_pretrained(args.model), local_rank)
-        note = common.load_pretrained(raw_model, args.model, train_set.channels, train_set.classes)
+        raw_model, note = common.load_pretrained(raw_model, args, train_set)
         if master:
             print(note)
     if args.weights:  # any head size or channel count: what matches by name and shape is loaded
-        common.on_rank0(lambda: raw_model.load_state_dict(common.load_weights(args.weights, raw_model)), rank)
+        common.on_rank0(lambda: raw_model.load_state_dict(common.load_weights(raw_model, args, train_set)), rank)
     if args.freeze_backbone:  # before DDP, which then leaves the frozen parameters out (no find_unused_parameters)
-        common.freeze_backbone(raw_model, args.model, train_set.channels, train_set.classes)
+        common.freeze_backbone(raw_model, args, train_set)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format

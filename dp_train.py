@@ -55,7 +55,7 @@ def main(args):
     if args.gpus and not use_cuda:
         raise common.UsageError(f"--gpus {args.gpus}: no GPU is visible{shown}, or --device cpu: training on the CPU")
     if not all(0 <= g < visible for g in gpus):
-        raise common.UsageError(f"--gpus {args.gpus}: {visible} GPUs are visible{shown}, numbered 0 to {visible - 1}")
+        raise common.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered 0 to {visible - 1}")
     device = torch.device(f"cuda:{gpus[0]}" if use_cuda else "cpu")  # parameters live here, copied to the others
     output_device = args.output_device if args.output_device is not None else device.index
     if use_cuda and output_device not in range(torch.cuda.device_count()):
@@ -84,11 +84,12 @@ def main(args):
     raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
     if args.pretrained:  # downloaded into the torch hub cache, unless there already
         common.fetch_pretrained(args.model)
-        print(common.load_pretrained(raw_model, args.model, train_set.channels, train_set.classes))
+        raw_model, note = common.load_pretrained(raw_model, args, train_set)
+        print(note)
     if args.weights:  # any head size or channel count: what matches by name and shape is loaded
-        raw_model.load_state_dict(common.load_weights(args.weights, raw_model))
+        raw_model.load_state_dict(common.load_weights(raw_model, args, train_set))
     if args.freeze_backbone:
-        common.freeze_backbone(raw_model, args.model, train_set.channels, train_set.classes)
+        common.freeze_backbone(raw_model, args, train_set)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     raw_model.to(device, memory_format=memory_format)
     if args.compile:

@@ -108,15 +108,15 @@ def main(args, rank, world_size, local_rank, local_world_size):
     raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
     if args.pretrained:  # one process per machine downloads them into the torch hub cache, then every rank reads them
         common.on_rank0(lambda: common.fetch_pretrained(args.model), local_rank)
-        note = common.load_pretrained(raw_model, args.model, train_set.channels, train_set.classes)
+        raw_model, note = common.load_pretrained(raw_model, args, train_set)
         if master:
             print(note)
     # rank 0 reads the weights; FSDP2 does not broadcast at wrapping: set_model_state_dict sends them to every shard
     weights = None
     if args.weights:  # any head size or channel count: what matches by name and shape is loaded
-        weights = common.on_rank0(lambda: common.load_weights(args.weights, raw_model), rank)
+        weights = common.on_rank0(lambda: common.load_weights(raw_model, args, train_set), rank)
     if args.freeze_backbone:  # before sharding: the sharded parameters keep requires_grad
-        common.freeze_backbone(raw_model, args.model, train_set.channels, train_set.classes)
+        common.freeze_backbone(raw_model, args, train_set)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     raw_model.to(device, memory_format=memory_format)
     shard(raw_model, init_device_mesh(device.type, (world_size,)), args.precision, args.reshard_after_forward)

@@ -73,8 +73,8 @@ def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_process
     data = ["--dataset", "imagefolder", "--data-dir", images]
     full = tmp_path / "full"
     p = run("ddp_launch_train.py", *data, *FINETUNE, "--out-dir", full, launcher="torchrun", nproc=2, env=env)
-    note = one_line_with(p.stdout, "ResNet18_Weights.IMAGENET1K_V1: loaded 120 of the model's 122 tensors")
-    assert note.endswith("kept fresh (another shape, or not in the file): fc.weight, fc.bias")
+    one_line_with(p.stdout, "ResNet18_Weights.IMAGENET1K_V1: every tensor loaded but the new head for 3 classes "
+                            "(fc.bias, fc.weight)")
 
     ckpt, cached = checkpoint(str(full)), cached_weights(torch_home)
     head = {"fc.weight", "fc.bias"}
@@ -112,7 +112,7 @@ def test_pretrained_on_grayscale_data_keeps_the_first_layer(torch_home, tmp_path
     p = run("dp_train.py", "--model", "resnet18", "--pretrained", "--synthetic-shape", "1x32x32", "--train-size", 64,
             "--val-size", 16, "--batch-size", 32, "--epochs", 1, "--lr", 0, "--out-dir", out,
             env={"TORCH_HOME": str(torch_home)})
-    one_line_with(p.stdout, "loaded 120 of the model's 122 tensors")
+    one_line_with(p.stdout, "every tensor loaded but the new head for 10 classes")
     state, cached = checkpoint(str(out))["model"], cached_weights(torch_home)
     assert state["conv1.weight"].shape == (64, 3, 7, 7)
     params = [k for k, _ in common.make_model("resnet18", 3, 10).named_parameters()]  # BatchNorm statistics trained on
@@ -144,3 +144,38 @@ def test_fine_tuning_flags_that_cannot_work_are_one_line_errors():
                           ({"freeze_backbone": True}, "--freeze-backbone needs --pretrained or --weights")):
         with pytest.raises(common.UsageError, match=words):
             common.check_args(types.SimpleNamespace(**{**vars(args), **change}))
+
+
+def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):
+    """A 1-channel cnn's file leaves a 3-channel cnn's conv1.weight fresh: fine to train, not to freeze."""
+    torch.manual_seed(0)
+    torch.save(common.make_model("cnn", 1, 10).state_dict(), tmp_path / "w.pt")
+    model, data = common.make_model("cnn", 3, 10), types.SimpleNamespace(channels=3, classes=10)
+    args = types.SimpleNamespace(weights=str(tmp_path / "w.pt"), model="cnn", freeze_backbone=True)
+    with pytest.raises(common.UsageError, match="--freeze-backbone would freeze tensors that .* does not hold: "
+                                                "conv1.weight$"):
+        common.load_weights(model, args, data)
+    args.freeze_backbone = False
+    assert torch.equal(common.load_weights(model, args, data)["conv1.weight"], model.state_dict()["conv1.weight"])
+
+
+def test_pretrained_preprocessing_is_the_weights_own(images):
+    import torchvision
+    from PIL import Image
+    weights = torchvision.models.get_model_weights("resnet18").DEFAULT
+    val = common.ImageFiles(images / "val", None, False, 0, weights)
+    x, label = val[(0, 4)]
+    path, expected_label = val.folder.samples[4]
+    assert label == expected_label and x.shape == (3, 224, 224)  # resize to 256, center crop 224
+    assert torch.equal(x, weights.transforms()(Image.open(path).convert("RGB")))  # exactly the weights' own
+    assert common.ImageFiles(images / "val", 64, False, 0, weights).transform.resize_size == [73]  # 256/224 kept
+    train = common.ImageFiles(images / "train", 64, True, 0, weights)
+    rng = torch.get_rng_state()
+    a, b, c = train[(0, 5)][0], train[(0, 5)][0], train[(1, 5)][0]
+    assert torch.equal(rng, torch.get_rng_state())  # the caller's RNG is left as it was
+    assert a.shape == (3, 64, 64) and torch.equal(a, b) and not torch.equal(a, c)  # a function of (seed, epoch, index)
+    # a random crop of a one-colour image is that colour, normalized with the weights' mean and std
+    flat = train.transform(Image.new("RGB", (40, 48), (255, 0, 128)))
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    colour = (torch.tensor([255, 0, 128]) / 255 - mean) / std
+    assert flat.shape == (3, 64, 64) and torch.allclose(flat, colour[:, None, None].expand(3, 64, 64), atol=1e-5)
