@@ -90,7 +90,7 @@ def test_bad_input_other_scripts(tmp_path, script):
     assert not os.listdir(tmp_path)
 
 
-def test_dp_gpus_count_the_visible_gpus(tmp_path):
+def test_dp_gpus_naming_a_gpu_that_is_not_visible_is_one_line(tmp_path):
     p = run("dp_train.py", "--gpus", 1, "--out-dir", tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"}, check=False)
     assert "--gpus 1: " in one_error_line(p) and "(CUDA_VISIBLE_DEVICES=0)" in one_error_line(p)
     assert not os.listdir(tmp_path)
