@@ -266,13 +266,19 @@ def main(args, rank, world_size, local_rank, local_world_size):
 def shard(model, mesh, precision, reshard_after_forward):
     """fully_shard bottom-up: each top-level child that holds parameters becomes a group of its own (cnn: conv1, conv2,
     fc1, fc2; resnet: conv1, layer1..layer4, fc), whose parameters are all-gathered in one collective just before it
-    runs; then the root, whose group takes what is left (small normalization layers such as resnet's bn1)."""
+    runs; then the root, whose group takes what is left.
+
+    bf16: parameters are all-gathered and computed in bfloat16, gradients reduced in fp32. BatchNorm is the exception:
+    each BatchNorm layer is a group of its own that computes in fp32 (its input is cast up, its weights stay fp32 like
+    its running statistics) and hands bf16 on to the next layer. (torch 2.15's param_dtype_override_fn would keep the
+    BatchNorm weights fp32 without a group each; it does not exist on 2.11-2.14.)"""
     mp = MixedPrecisionPolicy()
-    if precision == "bf16":  # BatchNorm keeps fp32 weights, like its fp32 running statistics (it rejects a mix of both)
-        keep = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                for p in m.parameters()}
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  param_dtype_override_fn=lambda p: torch.float32 if id(p) in keep else None)
+    if precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
     norms = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm, torch.nn.LayerNorm)
     for child in model.children():
         if next(child.parameters(), None) is not None and not isinstance(child, norms):

@@ -25,12 +25,45 @@ def free_port():
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+class CpuEnv(dict):
+    """An environment made by clean_env: the only kind the guard below lets a test start a script with."""
+
+
 def clean_env(base=None, **extra):
     """`base` (default: this environment) without any launcher's or job's variables, one thread per process,
-    unbuffered output, then `extra`."""
+    unbuffered output, no GPU visible, then `extra`. The suite is the CPU/gloo one on every machine: on a GPU machine
+    a script would otherwise pick CUDA and NCCL, which refuses two ranks on one GPU. (Not --device cpu: the tests of
+    --device cuda and --gpus must mean the same everywhere.)"""
     env = {k: v for k, v in (base or os.environ).items()
            if k not in LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    return CpuEnv({**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes longer than about 10 s")
+    config.addinivalue_line("markers", "floor: also run by CI on the oldest supported torch (requirements.txt)")
+    config.addinivalue_line("markers", "gpu: needs CUDA; may start scripts that see the GPUs")
+
+
+STARTS_SCRIPTS = ("python", "srun", "sbatch", "salloc")  # what starts a script of this collection, or a job running one
+
+
+@pytest.fixture(autouse=True)
+def cpu_pin_guard(request, monkeypatch):
+    """Every Python process or SLURM job a test starts gets its environment from clean_env (no GPU visible), except
+    in tests marked gpu. A test that forgets fails here, on any machine, instead of only on a GPU machine."""
+    if request.node.get_closest_marker("gpu"):
+        return
+    real = subprocess.Popen
+
+    class Guarded(real):
+        def __init__(self, args, *a, **kw):
+            program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else args).split()[0])
+            if program.startswith(STARTS_SCRIPTS) and not isinstance(kw.get("env"), CpuEnv):
+                raise AssertionError(f"{program} started without conftest.clean_env(): on a GPU machine it would "
+                                     "see the GPUs")
+            super().__init__(args, *a, **kw)
+    monkeypatch.setattr(subprocess, "Popen", Guarded)
 
 
 def run(script, *args, nproc=None, launcher="python", env=None, check=True, timeout=TIMEOUT, launcher_args=()):

@@ -6,15 +6,16 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, clean_env
+
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
 ROWS = {("bare", 1), ("dp_train.py", 1), ("ddp_launch_train.py", 1), ("ddp_spawn_train.py", 1), ("ddp_amp_train.py", 1),
         ("ddp_spawn_train.py", 2), ("torchrun ddp_launch_train.py", 2)}
 
 
 def bench(*args, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # small runs: one thread each, no oversubscription in the 2-process rows
-    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # small runs: one thread each (clean_env), no oversubscription in the 2-process rows
+    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def test_smoke_run_writes_every_row(tmp_path):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, clean_env
 
 ALLOWED = {  # script: words that every line it changes (outside the setup section) must contain one of
     "ddp_spawn_train.py": ["ddp_spawn_train"],
@@ -90,7 +90,8 @@ def test_launcher_scripts_take_the_old_launchers_local_rank_without_listing_it()
     import sys
     scripts = launcher_scripts()
     assert {"ddp_launch_train.py", "ddp_amp_train.py", "fsdp_train.py"} <= set(scripts)
-    p = subprocess.run([sys.executable, "-c", PARSE_ONLY, *scripts], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", PARSE_ONLY, *scripts], cwd=ROOT, env=clean_env(), capture_output=True,
+                       text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     parsed = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(parsed) == 2 * len(scripts)

@@ -4,14 +4,18 @@ holds 1/N of the parameters, gradients and optimizer state; last.pt moves betwee
 bf16 learns as well as fp32; bad input stops every rank with one line. Runs are made on first use and shared by the
 tests (module-scoped)."""
 import argparse
+import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import common
-from conftest import checkpoint, max_diff, metrics, run
+from conftest import ROOT, checkpoint, clean_env, max_diff, metrics, run
 
 FSDP, DDP = "fsdp_train.py", "ddp_launch_train.py"
 # 384 samples, global batch 24: 16 steps per epoch. 97 validation samples: with 2 and 3 processes one rank has a
@@ -165,6 +169,48 @@ def test_bf16_accuracy_close_to_fp32(runs):
     assert abs(bf16.rows[-1]["val_acc"] - fp32.rows[-1]["val_acc"]) <= 0.01
     assert max_diff(bf16.ckpt["model"], fp32.ckpt["model"]) > 1e-3  # bf16 was really in use
     assert all(v.dtype == torch.float32 for v in bf16.ckpt["model"].values())  # saved in fp32, like the fp32 run
+
+
+
+SEE_DTYPES = """
+import json, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+import common, fsdp_train
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = common.make_model("resnet18", 1, 10)
+fsdp_train.shard(model, init_device_mesh("cpu", (1,)), "bf16", True)
+seen = set()
+def before(m, args):  # runs after FSDP's own pre-forward: the gathered weights and the cast input
+    m.seen = (type(m).__name__.replace("FSDP", ""), str(m.weight.dtype), str(args[0].dtype))
+def after(m, args, out):  # after FSDP's post-forward: the output handed on
+    seen.add((*m.seen, str(out.dtype)))
+for m in model.modules():
+    if isinstance(m, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear)):
+        m.register_forward_pre_hook(before)
+        m.register_forward_hook(after)
+model(torch.randn(4, 1, 28, 28)).float().sum().backward()
+print(json.dumps(sorted(seen)))
+"""
+
+
+def test_bf16_batchnorm_computes_in_fp32_and_convolutions_in_bf16():
+    """What runs, not what is saved (saved weights are fp32 either way): during the forward each BatchNorm sees fp32
+    weights and input and hands bf16 on; every convolution and the linear head compute in bf16."""
+    p = subprocess.run([sys.executable, "-c", SEE_DTYPES], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = {tuple(row) for row in json.loads(p.stdout)}
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    assert seen == {("BatchNorm2d", fp32, fp32, bf16), ("Conv2d", bf16, bf16, bf16), ("Linear", bf16, bf16, bf16)}
+
+
+def test_bf16_trains_a_batchnorm_model(runs):
+    bf16 = runs("resnet_bf16", FSDP, 2, *RESNET, "--batch-size", 8, "--precision", "bf16")
+    fp32 = resnet(runs, FSDP, 2)
+    assert bf16.rows[-1]["precision"] == "bf16" and bf16.rows[-1]["val_count"] == 33
+    assert math.isfinite(bf16.rows[-1]["train_loss"]) and math.isfinite(bf16.rows[-1]["val_loss"])
+    assert all(v.dtype == fp32.ckpt["model"][k].dtype for k, v in bf16.ckpt["model"].items())  # fp32 (and int) saved
+    assert 1e-4 < max_diff(bf16.ckpt["model"], fp32.ckpt["model"]) < 0.5  # bf16 in use, and the same training
 
 
 # ---- 5. bad input: every rank stops, with one line on stderr, printed by rank 0 alone

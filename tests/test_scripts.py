@@ -2,11 +2,13 @@
 in the collection's formats; the mnist and imagefolder loaders on tiny files written here."""
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import checkpoint, metrics, run, summary_lines
+from conftest import ROOT, checkpoint, clean_env, metrics, run, summary_lines
 
 SMALL = ["--train-size", 3072, "--val-size", 500, "--epochs", 2, "--log-every", 10]
 SCRIPTS = {  # name: (script, launcher, processes, extra args); the global batch is 64 everywhere
@@ -168,3 +170,15 @@ def test_dp_model_with_loss_matches_plain_loss():
 def test_dp_gpus_without_gpu_is_one_clear_line(tmp_path):
     p = run("dp_train.py", "--gpus", "0,1", "--out-dir", tmp_path, check=False)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --gpus"), p.stderr
+
+
+def test_tests_start_scripts_with_no_gpu_visible():
+    """The suite is the CPU/gloo one on every machine: conftest's guard fails any test that starts Python or a SLURM
+    job without clean_env(), which hides the GPUs (on a GPU machine the scripts would pick CUDA and NCCL)."""
+    with pytest.raises(AssertionError, match="without conftest.clean_env"):
+        subprocess.run([sys.executable, "dp_train.py", "--help"], cwd=ROOT, env=dict(os.environ))
+    with pytest.raises(AssertionError, match="without conftest.clean_env"):
+        subprocess.Popen(["srun", "--ntasks=2", "true"])
+    p = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=clean_env(),
+                       capture_output=True, text=True)
+    assert p.stdout.strip() == "0", p.stderr
