@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import common
 from conftest import checkpoint, max_diff, metrics, run
 
 TOL = 1e-4
@@ -201,22 +202,33 @@ AMP = ["--train-size", 3072, "--val-size", 1000, "--epochs", 2, "--batch-size", 
 
 
 def test_mixed_precision_accuracy(session_dir):
+    """bf16 reaches the fp32 accuracy. (fp16's accuracy is the GPU test's: on this kind of CPU an fp16 convolution's
+    backward runs about 140 times slower than fp32's, some 10 minutes for these 96 steps; see the next test.)"""
     acc = {}
-    for precision in ("fp32", "bf16", "fp16"):
+    for precision in ("fp32", "bf16"):
         out = str(session_dir / f"amp_acc_{precision}")
         run("ddp_amp_train.py", *AMP, "--precision", precision, "--out-dir", out, launcher="torchrun", nproc=2)
         acc[precision] = metrics(out)[-1]["val_acc"]
     assert acc["fp32"] > 0.95, acc
     assert abs(acc["bf16"] - acc["fp32"]) <= 0.01, acc
-    assert abs(acc["fp16"] - acc["fp32"]) <= 0.01, acc
 
 
-def test_fp16_scaler_survives_resume(tmp_path):
-    args = ["--train-size", 256, "--val-size", 32, "--batch-size", 32, "--precision", "fp16"]
+def test_fp16_trains_like_fp32_and_its_scaler_survives_resume(tmp_path):
+    args = ["--train-size", 256, "--val-size", 32, "--batch-size", 32]
+    run("ddp_amp_train.py", *args, "--precision", "fp32", "--max-steps", 4, "--out-dir", tmp_path / "fp32")
+    args += ["--precision", "fp16"]
     run("ddp_amp_train.py", *args, "--max-steps", 4, "--out-dir", tmp_path / "straight")
     run("ddp_amp_train.py", *args, "--max-steps", 2, "--out-dir", tmp_path / "resumed")
     run("ddp_amp_train.py", *args, "--max-steps", 4, "--resume", "auto", "--out-dir", tmp_path / "resumed")
-    straight, resumed = checkpoint(str(tmp_path / "straight")), checkpoint(str(tmp_path / "resumed"))
+    fp32, straight, resumed = (checkpoint(str(tmp_path / d)) for d in ("fp32", "straight", "resumed"))
+    # the same 4 steps from the same start: fp16's weights stay within a tenth of the way fp32's moved (measured: 1.5
+    # to 3%), in every tensor. A step left scaled would land 65536 times too far, a skipped one leave the gap as
+    # large as the move; and a gap of 0 would mean fp16 never ran
+    torch.manual_seed(0)
+    init = common.make_model("cnn", 1, 10).state_dict()
+    for k, w in fp32["model"].items():
+        gap, moved = (straight["model"][k] - w).norm().item(), (w - init[k]).norm().item()
+        assert 0 < gap <= 0.1 * moved, (k, gap, moved)
     assert straight["scaler"]["_growth_tracker"] == 4  # 4 steps without overflow: the scaler counted them all
     assert resumed["scaler"] == straight["scaler"]
     for k in straight["model"]:
