@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, clean_env
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
@@ -18,6 +20,7 @@ def bench(*args, timeout=900):
     return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     p = bench("--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240", "--json", str(out))

@@ -134,8 +134,9 @@ def reference(tmp_path_factory):
 
 
 # ---- 1. torchrun restarts a worker group after one of its workers died, from the mid-epoch checkpoint
+@pytest.mark.slow
 @pytest.mark.parametrize("script, victim_rank", [("ddp_launch_train.py", 0), ("ddp_amp_train.py", 1),
-                                                  ("fsdp_train.py", 1)])
+                                                  pytest.param("fsdp_train.py", 1, marks=pytest.mark.floor)])
 def test_torchrun_restart_after_a_killed_worker_ends_with_the_uninterrupted_weights(script, victim_rank, reference,
                                                                                    tmp_path):
     out = tmp_path / "run"
@@ -175,6 +176,7 @@ def two_nodes(tmp_path, name, *more, launcher=torchrun):
             node.kill()
 
 
+@pytest.mark.slow
 def test_two_nodes_train_like_one_node_with_two_processes_and_resume_from_node0s_checkpoint(reference, tmp_path):
     # stop mid-epoch 2 (step 20 of 48): only node 0 (rank 0) writes; node 1 has no checkpoint of its own
     two_nodes(tmp_path, "first", "--max-steps", "20")
@@ -199,6 +201,7 @@ def signal_pending(pid, sig):
     return any(mask >> (sig - 1) & 1 for mask in pending)
 
 
+@pytest.mark.slow
 def test_elastic_two_nodes_restart_together_after_a_worker_dies(reference, tmp_path):
     # torchrun's elastic rendezvous (c10d) with two nodes. A worker on one node dies: its agent restarts it and counts
     # a restart; the other agent restarts its own worker because a node waits to rejoin, and counts none. The new
@@ -242,7 +245,9 @@ def deprecated_launch(*launcher_args):
     return [sys.executable, "-m", "torch.distributed.launch", *launcher_args]
 
 
-@pytest.mark.parametrize("script, use_env", [("ddp_launch_train.py", False), ("ddp_amp_train.py", True)])
+@pytest.mark.slow
+@pytest.mark.parametrize("script, use_env", [pytest.param("ddp_launch_train.py", False, marks=pytest.mark.floor),
+                                             ("ddp_amp_train.py", True)])
 def test_the_deprecated_launcher_trains_as_torchrun(script, use_env, reference, tmp_path):
     """Without --use-env it passes --local-rank=N before the script's arguments (and sets LOCAL_RANK); with it,
     nothing."""
@@ -252,6 +257,7 @@ def test_the_deprecated_launcher_trains_as_torchrun(script, use_env, reference, 
     assert_same_weights(weights(tmp_path / "run" / "last.pt"), reference(script))
 
 
+@pytest.mark.slow
 def test_the_deprecated_launcher_on_two_nodes_trains_as_torchrun(reference, tmp_path):
     two_nodes(tmp_path, "launch", launcher=deprecated_launch)  # --nnodes=2 --node_rank=0/1 --master_addr=127.0.0.1
     assert "torch.distributed.launch is deprecated" in (tmp_path / "launch-node1.log").read_text()
@@ -281,6 +287,7 @@ def sbatch(cluster, args, tmp_path, cwd=REPO):
     return output
 
 
+@pytest.mark.floor
 def test_srun_trains_like_torchrun(slurm_cluster, reference, tmp_path):
     out = tmp_path / "run"
     run(["srun", "--ntasks=2", "--kill-on-bad-exit=1", sys.executable] + script_args("ddp_launch_train.py", out),
@@ -289,6 +296,7 @@ def test_srun_trains_like_torchrun(slurm_cluster, reference, tmp_path):
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
+@pytest.mark.floor
 def test_plain_python_in_an_sbatch_script_is_one_process(slurm_cluster, tmp_path):
     # the batch script runs once, on the first node, with SLURM_PROCID=0 and SLURM_NTASKS=2 but no job step:
     # the script must train alone there, not wait for a second rank that nothing starts
@@ -335,6 +343,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
     out = tmp_path / "run"
     last = out / "last.pt"

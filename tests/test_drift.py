@@ -33,12 +33,14 @@ def changed_lines(script):
     return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("script", ALLOWED)
 def test_scripts_differ_only_in_launch_style(script):
     unexpected = [line for line in changed_lines(script) if not any(word in line for word in ALLOWED[script])]
     assert not unexpected, "\n".join(unexpected)
 
 
+@pytest.mark.floor
 def test_fsdp_keeps_the_shared_lines():
     dropped = [line for line in changed_lines("fsdp_train.py") if line.startswith("-")]
     unexpected = [line for line in dropped if not any(word in line for word in FSDP_MAY_DROP)]
@@ -51,6 +53,7 @@ def function_source(script, name):
                 if isinstance(node, ast.FunctionDef) and node.name == name)
 
 
+@pytest.mark.floor
 def test_torchrun_scripts_read_the_launcher_alike():
     """launcher_env() lies before the compared part: its copies in the three torchrun scripts must be the same."""
     ref = function_source("ddp_launch_train.py", "launcher_env")
@@ -82,6 +85,7 @@ for script in sys.argv[1:]:
 """
 
 
+@pytest.mark.floor
 def test_launcher_scripts_take_the_old_launchers_local_rank_without_listing_it():
     """torch.distributed.launch (without --use-env) puts --local-rank=N before the script's arguments; older
     versions wrote --local_rank=N. Both are accepted, and neither is shown among the script's own flags."""

@@ -84,6 +84,7 @@ def test_bad_input(previous_run, name):
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing overwritten, nothing added
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py", "ddp_amp_train.py"])
 def test_bad_input_other_scripts(tmp_path, script):
     assert "--batch-size" in one_error_line(run(script, "--batch-size", 0, "--out-dir", tmp_path, check=False))
@@ -99,7 +100,8 @@ def test_dp_gpus_naming_a_gpu_that_is_not_visible_is_one_line(tmp_path):
 NAN = ["--train-size", 384, "--val-size", 50, "--batch-size", 12, "--lr", 1e6, "--log-every", 5, "--save-every", 2]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.floor), "spawn"])
 def test_nan_stops_every_rank(tmp_path, launcher):
     t = time.time()
     if launcher == "torchrun":
@@ -139,7 +141,8 @@ def wait_for(path, p, seconds=120):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("launch", ["torchrun", "spawn"])
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [pytest.param("torchrun", marks=pytest.mark.floor), "spawn"])
 def test_sigterm_ends_everything_cleanly(tmp_path, launch):
     cmd = (["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "ddp_launch_train.py"]
            if launch == "torchrun" else ["ddp_spawn_train.py", "--nprocs", "2"])
@@ -160,6 +163,7 @@ def test_sigterm_ends_everything_cleanly(tmp_path, launch):
     checkpoint(str(tmp_path))  # the last checkpoint is complete
 
 
+@pytest.mark.slow
 def test_spawn_child_crash_ends_the_others(tmp_path):
     p = launch_long(["ddp_spawn_train.py", "--nprocs", "2"], tmp_path)
     try:

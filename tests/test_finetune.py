@@ -68,6 +68,10 @@ FINETUNE = ["--model", "resnet18", "--pretrained", "--freeze-backbone", "--image
             "--epochs", 2, "--lr", 0.05, "--workers", 0]
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.slow
+@pytest.mark.floor
 def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_processes(torch_home, images, tmp_path):
     env = {"TORCH_HOME": str(torch_home)}
     data = ["--dataset", "imagefolder", "--data-dir", images]
@@ -119,6 +123,7 @@ def test_pretrained_on_grayscale_data_keeps_the_first_layer(torch_home, tmp_path
     assert [k for k in params if not k.startswith("fc.") and not torch.equal(state[k], cached[k])] == []
 
 
+@pytest.mark.floor
 def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, tmp_path):
     """A DDP-saved (module.) state_dict of a 1-channel, 10-class cnn, into a 3-channel, 3-class one (--lr 0: what is
     saved is what was loaded)."""

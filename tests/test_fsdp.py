@@ -62,7 +62,8 @@ def resnet(runs, script, nproc):
 
 
 # ---- 1. FSDP trains exactly like DDP
-@pytest.mark.parametrize("nproc", [1, 2, 3])
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.floor), 3])
 def test_cnn_matches_ddp(runs, nproc):
     fsdp, ddp = cnn(runs, FSDP, nproc), cnn(runs, DDP, nproc)
     assert fsdp.ckpt["model"].keys() == ddp.ckpt["model"].keys()
@@ -98,6 +99,7 @@ def evaluate_alone(ckpt):
         (out.argmax(1) == val_set.y).double().mean().item()
 
 
+@pytest.mark.slow
 def test_batchnorm_model_matches_ddp_and_its_checkpoint(runs):
     fsdp, ddp = resnet(runs, FSDP, 2), resnet(runs, DDP, 2)
     state = fsdp.ckpt["model"]
@@ -122,6 +124,7 @@ def memory_run(runs, nproc):
     return runs(f"memory{nproc}", FSDP, nproc, *RESNET, "--batch-size", 8, "--max-steps", 1, *extra)
 
 
+@pytest.mark.slow
 def test_memory_per_rank_falls_as_one_over_world_size(runs):
     rows = {n: memory_run(runs, n).rows[-1] for n in (1, 2, 3)}
     torch.manual_seed(0)
@@ -134,6 +137,7 @@ def test_memory_per_rank_falls_as_one_over_world_size(runs):
         assert total == pytest.approx(3 * 4 * numel / n, rel=0.1)
 
 
+@pytest.mark.slow
 def test_weights_reach_every_shard_and_a_rank_without_validation_samples_pads(runs):
     loaded, weights = memory_run(runs, 3), resnet(runs, FSDP, 2).ckpt["model"]
     torch.manual_seed(7)
@@ -143,6 +147,7 @@ def test_weights_reach_every_shard_and_a_rank_without_validation_samples_pads(ru
 
 
 # ---- 3. last.pt crosses between FSDP and DDP, and between process counts
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [((FSDP, 2), (DDP, 3)), ((DDP, 3), (FSDP, 2))])
 def test_checkpoint_crosses_over(runs, first, second):
     (s1, n1), (s2, n2) = first, second
@@ -159,6 +164,7 @@ def test_checkpoint_crosses_over(runs, first, second):
 
 
 # ---- 4. bf16 learns as well as fp32
+@pytest.mark.slow
 def test_bf16_accuracy_close_to_fp32(runs):
     args = ["--train-size", 2000, "--val-size", 2000, "--epochs", 2, "--batch-size", 32, "--lr", 0.05,
             "--device", "cpu"]
@@ -193,6 +199,7 @@ print(json.dumps(sorted(seen)))
 """
 
 
+@pytest.mark.floor
 def test_bf16_batchnorm_computes_in_fp32_and_convolutions_in_bf16():
     """What runs, not what is saved (saved weights are fp32 either way): during the forward each BatchNorm sees fp32
     weights and input and hands bf16 on; every convolution and the linear head compute in bf16."""
@@ -204,6 +211,10 @@ def test_bf16_batchnorm_computes_in_fp32_and_convolutions_in_bf16():
     assert seen == {("BatchNorm2d", fp32, fp32, bf16), ("Conv2d", bf16, bf16, bf16), ("Linear", bf16, bf16, bf16)}
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.slow
+@pytest.mark.floor
 def test_bf16_trains_a_batchnorm_model(runs):
     bf16 = runs("resnet_bf16", FSDP, 2, *RESNET, "--batch-size", 8, "--precision", "bf16")
     fp32 = resnet(runs, FSDP, 2)
@@ -219,6 +230,7 @@ def test_bf16_trains_a_batchnorm_model(runs):
     (2, ["--precision", "fp16"], "bf16"),
     (1, ["--model", "nosuchnet"], "unknown --model"),  # the lone-process path: its whole stderr is the one line
 ])
+@pytest.mark.floor
 def test_bad_input_one_line(tmp_path, nproc, args, words):
     logs = tmp_path / "logs"
     p = launch(FSDP, nproc, [*args, "--device", "cpu", "--out-dir", tmp_path / "out"], log_dir=logs, check=False)

@@ -65,6 +65,7 @@ def assert_same_weights(a, b, proof_run):
     return diff
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["launch", "spawn"])
 def test_world_size_invariance(proof_run, script):
     ref = checkpoint(proof_run(f"{script}1"))
@@ -73,12 +74,14 @@ def test_world_size_invariance(proof_run, script):
         assert_same_weights(checkpoint(proof_run(f"{script}{n}"))["model"], ref["model"], proof_run)
 
 
+@pytest.mark.slow
 def test_launch_style_invariance(proof_run):
     ref = checkpoint(proof_run("launch2"))["model"]
     for name in ("dp", "spawn2", "amp_fp32"):
         assert_same_weights(checkpoint(proof_run(name))["model"], ref, proof_run)
 
 
+@pytest.mark.slow
 def test_compile_changes_only_speed(proof_run, session_dir):
     """--compile (torch.compile of the DDP model): the weights of the eager run, saved under the plain names."""
     out = str(session_dir / "proof_compile")
@@ -88,6 +91,7 @@ def test_compile_changes_only_speed(proof_run, session_dir):
     assert_same_weights(model, checkpoint(proof_run("launch2"))["model"], proof_run)
 
 
+@pytest.mark.slow
 def test_grad_accumulation(proof_run):
     assert_same_weights(checkpoint(proof_run("accum1"))["model"], checkpoint(proof_run("launch1"))["model"], proof_run)
     assert_same_weights(checkpoint(proof_run("accum2"))["model"], checkpoint(proof_run("launch2"))["model"], proof_run)
@@ -108,6 +112,7 @@ def single_process_eval(out_dir):
     return F.cross_entropy(out, y, reduction="sum").item() / len(y), (out.argmax(1) == y).sum().item() / len(y), len(y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["launch2", "launch3", "spawn3"])
 def test_exact_evaluation(proof_run, name):
     row = metrics(proof_run(name))[-1]
@@ -117,6 +122,7 @@ def test_exact_evaluation(proof_run, name):
     assert row["val_loss"] == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_exact_evaluation_batchnorm(tmp_path, nproc):
     """resnet18 has BatchNorm: after training, each rank's running statistics differ."""
@@ -152,7 +158,9 @@ def resume_case(tmp_path, first, then, stop_at):
     return stopped, checkpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("name,stop_at", [("launch1", 32), ("launch2", 32), ("launch2", 40)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name,stop_at", [("launch1", 32), ("launch2", 32),
+                                                pytest.param("launch2", 40, marks=pytest.mark.floor)])
 def test_exact_resume(proof_run, tmp_path, name, stop_at):
     """2 epochs, stop, resume for the 3rd (stop_at 32); or from a checkpoint in the middle of epoch 3 (40)."""
     stopped, resumed = resume_case(tmp_path, name, name, stop_at)
@@ -166,6 +174,7 @@ def test_exact_resume(proof_run, tmp_path, name, stop_at):
     assert_same_metrics(metrics(str(tmp_path)), metrics(proof_run(name)))
 
 
+@pytest.mark.slow
 def test_resume_with_other_world_size(proof_run, tmp_path):
     """Stopped in the middle of epoch 3 with 2 processes, resumed with 1 (the same global batch)."""
     _, resumed = resume_case(tmp_path, "launch2", "launch1", 40)
@@ -177,12 +186,14 @@ def test_resume_with_other_world_size(proof_run, tmp_path):
     assert_same_metrics([{**r, "world_size": 0} for r in rows][:2], [{**r, "world_size": 0} for r in metrics(proof_run("launch2"))][:2])
 
 
+@pytest.mark.slow
 def test_resume_across_scripts(proof_run, tmp_path):
     """A last.pt of dp_train.py, continued by ddp_launch_train.py on 2 processes."""
     _, resumed = resume_case(tmp_path, "dp", "launch2", 32)
     assert_same_weights(resumed["model"], checkpoint(proof_run("launch2"))["model"], proof_run)
 
 
+@pytest.mark.slow
 def test_sample_order_per_epoch(tmp_path):
     """set_epoch: epoch 2's global order differs from epoch 1's, and equals what a fresh process draws for epoch 2.
     With --lr 0 nothing trains, so an epoch's train_loss tells which samples it used: 390 samples in batches of 24
@@ -201,6 +212,7 @@ def test_sample_order_per_epoch(tmp_path):
 AMP = ["--train-size", 3072, "--val-size", 1000, "--epochs", 2, "--batch-size", 32, "--lr", 0.05]
 
 
+@pytest.mark.slow
 def test_mixed_precision_accuracy(session_dir):
     """bf16 reaches the fp32 accuracy. (fp16's accuracy is the GPU test's: on this kind of CPU an fp16 convolution's
     backward runs about 140 times slower than fp32's, some 10 minutes for these 96 steps; see the next test.)"""
@@ -213,6 +225,10 @@ def test_mixed_precision_accuracy(session_dir):
     assert abs(acc["bf16"] - acc["fp32"]) <= 0.01, acc
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.slow
+@pytest.mark.floor
 def test_fp16_trains_like_fp32_and_its_scaler_survives_resume(tmp_path):
     args = ["--train-size", 256, "--val-size", 32, "--batch-size", 32]
     run("ddp_amp_train.py", *args, "--precision", "fp32", "--max-steps", 4, "--out-dir", tmp_path / "fp32")
@@ -235,6 +251,7 @@ def test_fp16_trains_like_fp32_and_its_scaler_survives_resume(tmp_path):
         assert torch.equal(resumed["model"][k], straight["model"][k]), k
 
 
+@pytest.mark.slow
 def test_workers_do_not_change_results(tmp_path):
     from test_scripts import write_imagefolder
     write_imagefolder(tmp_path / "data")

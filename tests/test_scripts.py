@@ -34,6 +34,10 @@ def script_run(session_dir):
     return get
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.slow
+@pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_learns_and_logs_once(script_run, name):
     proc, out = script_run(name)
@@ -48,6 +52,10 @@ def test_learns_and_logs_once(script_run, name):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.slow
+@pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_metrics_format(script_run, name):
     _, out = script_run(name)
@@ -60,6 +68,10 @@ def test_metrics_format(script_run, name):
     assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
 
 
+@pytest.mark.slow
+@pytest.mark.floor
+@pytest.mark.slow
+@pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_checkpoint_format(script_run, name):
     import common
@@ -78,6 +90,7 @@ def test_checkpoint_format(script_run, name):
     model.load_state_dict(ckpt["model"])  # loads into a plain model, strict
 
 
+@pytest.mark.slow
 def test_default_run_reaches_95_percent(tmp_path):
     """The README's first command, as is: 2 CPU processes, synthetic data, 2 epochs."""
     proc = run("ddp_spawn_train.py", "--out-dir", tmp_path, env={"OMP_NUM_THREADS": "1"})
@@ -138,6 +151,7 @@ def write_imagefolder(root, per_class_train=24, per_class_val=7, size=20):
                     os.path.join(root, split, name, f"{i}.png"))
 
 
+@pytest.mark.floor
 def test_imagefolder(tmp_path):
     write_imagefolder(tmp_path / "data")
     out = tmp_path / "out"
@@ -172,6 +186,7 @@ def test_dp_gpus_without_gpu_is_one_clear_line(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --gpus"), p.stderr
 
 
+@pytest.mark.floor
 def test_tests_start_scripts_with_no_gpu_visible():
     """The suite is the CPU/gloo one on every machine: conftest's guard fails any test that starts Python or a SLURM
     job without clean_env(), which hides the GPUs (on a GPU machine the scripts would pick CUDA and NCCL)."""
