@@ -559,7 +559,8 @@ def torchrun_store(rank, world_size, timeout):
     (the default env:// setup) often fails or hangs after a restart. TORCHELASTIC_RESTART_COUNT cannot be the
     prefix: each node's agent counts its own restarts, and after a restart across nodes the counts differ. So rank 0
     draws a random prefix and hands it to each rank in answer to a random token of that rank: no key left by an
-    earlier attempt can answer it."""
+    earlier attempt can answer it. Upstream: pytorch/pytorch#135712 (the shared store and restarts), #108158 (restart
+    counts differ per node); remove this when init_process_group alone survives tests/test_cluster.py's restarts."""
     import time
 
     import torch.distributed as dist
