@@ -1,11 +1,16 @@
-"""What every training script shares and that does not depend on how processes are launched:
-the command line, data, models, checkpoint files and a few small helpers. Nothing runs at import."""
+"""What the training scripts share that does not depend on how their processes are launched: the command line, the
+data, the model, checkpoint files, progress and metrics. Nothing runs at import. The distributed part of each
+script (how a process learns its rank, how the model is wrapped, how gradients and results are reduced) is in the
+script itself."""
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
 import resource
+import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -26,35 +31,45 @@ def get_parser(doc):
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--dataset", default="synthetic", help="synthetic (offline, MNIST-shaped), mnist, cifar10 or imagefolder")
-    a("--data-dir", default="./data", help="where mnist/cifar10 are downloaded to; for imagefolder, the folder holding train/ and val/")
-    a("--train-size", type=int, help="number of training samples (synthetic: default 10000; real data: a subset, default all)")
-    a("--val-size", type=int, help="number of validation samples (synthetic: default 2000; real data: a subset, default all)")
+    a("--data-dir", default="./data",
+      help="where mnist/cifar10 are downloaded to; for imagefolder, the folder holding train/ and val/")
+    a("--train-size", type=int,
+      help="number of training samples (synthetic: default 10000; real data: a subset, default all)")
+    a("--val-size", type=int,
+      help="number of validation samples (synthetic: default 2000; real data: a subset, default all)")
     a("--image-size", type=int, help="imagefolder: images are resized to this square size (default 224; with "
       "--pretrained: the crop size, default the weights' own)")
-    a("--synthetic-shape", default="1x28x28", help="synthetic: the image shape CxHxW, e.g. 3x224x224 for ImageNet models")
-    a("--model", default="cnn", help="cnn (small 2-conv net) or any torchvision classification model by name, e.g. resnet18")
+    a("--synthetic-shape", default="1x28x28",
+      help="synthetic: the image shape CxHxW, e.g. 3x224x224 for ImageNet models")
+    a("--model", default="cnn",
+      help="cnn (small 2-conv net) or any torchvision classification model by name, e.g. resnet18")
     a("--pretrained", action="store_true", help="start from the torchvision model's default ImageNet weights, with a "
       "new head for this data's classes and the weights' own preprocessing (fetched once per machine into the torch "
       "hub cache)")
     a("--freeze-backbone", action="store_true", help="train only the classifier head; the rest (BatchNorm statistics "
       "included) keeps the --pretrained or --weights values")
     a("--epochs", type=int, default=2, help="number of passes over the training set")
-    a("--batch-size", type=int, default=64, help="batch size per process (per GPU); the global batch is this times the number of processes")
-    a("--lr", type=float, default=0.01, help="peak learning rate, for the global batch: it is NOT rescaled with the number of processes")
+    a("--batch-size", type=int, default=64,
+      help="batch size per process (per GPU); the global batch is this times the number of processes")
+    a("--lr", type=float, default=0.01,
+      help="peak learning rate, for the global batch: it is NOT rescaled with the number of processes")
     a("--optimizer", default="sgd", choices=["sgd", "adamw"], help="sgd (with --momentum) or adamw")
     a("--momentum", type=float, default=0.9, help="SGD momentum")
     a("--weight-decay", type=float, default=5e-4, help="weight decay")
-    a("--warmup-epochs", type=float, default=0.0, help="linear LR warmup (may be fractional), then cosine decay to 0; stepped per optimizer step")
+    a("--warmup-epochs", type=float, default=0.0,
+      help="linear LR warmup (may be fractional), then cosine decay to 0; stepped per optimizer step")
     a("--seed", type=int, default=0, help="seeds the model init, the synthetic data, the data order and the augmentation")
     a("--workers", type=int, default=2, help="DataLoader worker processes for imagefolder (in-memory data needs none)")
     a("--max-steps", type=int, help="stop after this many optimizer steps in all (quick runs, benchmarks)")
-    a("--grad-accum", type=int, default=1, help="accumulate gradients over this many micro-batches of --batch-size per optimizer step")
+    a("--grad-accum", type=int, default=1,
+      help="accumulate gradients over this many micro-batches of --batch-size per optimizer step")
     a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
     a("--save-every", type=int, help="also write last.pt every N optimizer steps, not only at epoch ends")
     a("--resume", help="checkpoint to continue from, or 'auto': the last.pt in --out-dir if there is one")
     a("--weights", help="initialize the model from this state_dict or checkpoint; tensors of other names or shapes "
       "(another head size or channel count) keep their fresh values. Optimizer and schedule start fresh")
-    a("--log-every", type=int, default=20, help="update the progress bar (a host sync) and check for NaN/inf every N steps")
+    a("--log-every", type=int, default=20,
+      help="update the progress bar (a host sync) and check for NaN/inf every N steps")
     a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir (needs: pip install tensorboard)")
     a("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     a("--channels-last", action="store_true", help="channels_last memory format (faster convolutions on GPU)")
@@ -65,12 +80,14 @@ def get_parser(doc):
 
 def check_args(args):
     """Catch bad input before anything is written; identical on every rank, so every rank stops together."""
-    for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_steps", "save_every", "train_size", "val_size", "image_size"):
+    for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_steps", "save_every", "train_size",
+                 "val_size", "image_size"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if not _parse_shape(args.synthetic_shape):
-        raise UsageError(f"--synthetic-shape must be CxHxW with positive integers and H, W at least 7, got {args.synthetic_shape!r}")
+    if not parse_shape(args.synthetic_shape):
+        raise UsageError(f"--synthetic-shape must be CxHxW with positive integers and H, W at least 7, got "
+                         f"{args.synthetic_shape!r}")
     if args.lr < 0:
         raise UsageError(f"--lr must not be negative, got {args.lr}")
     if args.dataset not in ("synthetic", "mnist", "cifar10", "imagefolder"):
@@ -78,7 +95,8 @@ def check_args(args):
     if args.model != "cnn":
         import torchvision
         if args.model not in torchvision.models.list_models(module=torchvision.models):
-            raise UsageError(f"unknown --model {args.model!r}: use cnn or a torchvision classification model such as resnet18")
+            raise UsageError(f"unknown --model {args.model!r}: use cnn or a torchvision classification model such "
+                             "as resnet18")
     if args.pretrained and args.model == "cnn":
         raise UsageError("--pretrained needs a torchvision model (e.g. --model resnet50): cnn has no pretrained "
                          "weights")
@@ -89,11 +107,11 @@ def check_args(args):
                          "worth freezing")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
-    if args.tensorboard and not _has_module("tensorboard"):
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
 
 
-def _parse_shape(text):
+def parse_shape(text):
     """(C, H, W) from 'CxHxW', or None if it is not one."""
     try:
         c, h, w = (int(v) for v in text.lower().split("x"))
@@ -102,13 +120,9 @@ def _parse_shape(text):
     return (c, h, w) if c >= 1 and h >= 7 and w >= 7 else None
 
 
-def _has_module(name):
-    import importlib.util
-    return importlib.util.find_spec(name) is not None
-
-
 def set_cpu_threads(local_world_size):
-    """Share the cores among the processes of this machine (torchrun does so only with several processes, srun never)."""
+    """Share the cores among the processes of this machine (torchrun does so only with several processes, srun
+    never)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
 
@@ -121,7 +135,7 @@ def set_fast_math(device, deterministic):
         torch.backends.cudnn.allow_tf32 = not deterministic
 
 
-# ---- data
+# ---- data: the built-in datasets, keyed by (epoch, index) so that augmentation does not depend on --workers
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
@@ -129,9 +143,8 @@ class InMemory(torch.utils.data.Dataset):
     """Tensors in memory. Indexed by (epoch, list of indices): one tensor index makes the whole batch,
     no per-sample Python and no collate."""
 
-    def __init__(self, x, y, augment=False, seed=0):
-        self.x, self.y, self.augment, self.seed = x, y, augment, seed
-        self.classes, self.channels = int(y.max()) + 1, x.shape[1]
+    def __init__(self, x, y, classes=10, augment=False, seed=0):
+        self.x, self.y, self.classes, self.augment, self.seed = x, y, classes, augment, seed
 
     def __len__(self):
         return len(self.y)
@@ -154,7 +167,7 @@ class ImageFiles(torch.utils.data.Dataset):
     def __init__(self, root, size, augment, seed, weights=None):
         from torchvision import datasets, transforms as T
         self.folder = datasets.ImageFolder(root)  # its loader converts every image to RGB, grayscale ones too
-        self.classes, self.channels, self.seed = len(self.folder.classes), 3, seed
+        self.classes, self.seed = self.folder.classes, seed
         if weights is None:
             size = size or 224
             self.transform = T.Compose([T.Resize((size, size)), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -195,14 +208,15 @@ def per_sample_random(seed, epoch, idx):
 
 
 def crop_flip(x, r, pad):
-    """Random crop after zero padding, and random horizontal flip, for a batch (B, C, H, W); r from per_sample_random."""
+    """Random crop after zero padding, and random horizontal flip, for a batch (B, C, H, W); r from
+    per_sample_random."""
     B, C, H, W = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))
     dy, dx = (r >> 1) % (2 * pad + 1), (r >> 9) % (2 * pad + 1)
     rows = dy[:, None] + torch.arange(H, device=x.device)
     cols = dx[:, None] + torch.arange(W, device=x.device)
     cols = torch.where((r & 1).bool()[:, None], cols.flip(1), cols)
-    out = padded[torch.arange(B, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
+    out = padded[torch.arange(B, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]  # B,H,W,C
     return out.permute(0, 3, 1, 2).contiguous()
 
 
@@ -223,29 +237,29 @@ def synthetic(n, seed, templates_seed, shape=(1, 28, 28)):
 def load_data(args, download=False):
     """(train_set, val_set) for --dataset. With download=True (rank 0 only) fetch what is missing.
     With --pretrained, images are normalized as the weights expect, and grayscale ones repeated to 3 channels."""
-    d = args.dataset
-    weights = pretrained_weights(args.model) if args.pretrained else None
+    d, weights = args.dataset, pretrained_weights(args.model) if args.pretrained else None
+    to_rgb = (lambda x: x.expand(-1, 3, -1, -1).contiguous()) if weights else (lambda x: x)
     if d == "synthetic":
-        shape = _parse_shape(args.synthetic_shape)
+        shape = parse_shape(args.synthetic_shape)
+        if weights and shape[0] not in (1, 3):
+            raise UsageError(f"--pretrained needs images of 1 or 3 channels, not {shape[0]}")
         xt, yt = synthetic(args.train_size or 10000, args.seed, args.seed, shape)
         xv, yv = synthetic(args.val_size or 2000, args.seed + 10**6, args.seed, shape)
         mean, std = xt.mean(), xt.std()
-        xt, xv = (xt - mean) / std, (xv - mean) / std
-        if weights:
-            xt, xv = _to_rgb(xt), _to_rgb(xv)
-        return InMemory(xt, yt), InMemory(xv, yv)
+        return InMemory(to_rgb((xt - mean) / std), yt), InMemory(to_rgb((xv - mean) / std), yv)
     if d == "imagefolder":
         sets = []
-        for split in ("train", "val"):
+        for split, n in (("train", args.train_size), ("val", args.val_size)):
             root = os.path.join(args.data_dir, split)
             try:
                 sets.append(ImageFiles(root, args.image_size, split == "train", args.seed, weights))
             except (FileNotFoundError, OSError) as e:
                 raise UsageError(f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
-        if sets[0].folder.classes != sets[1].folder.classes:
+            sets[-1].folder.samples = sets[-1].folder.samples[:n]
+        if sets[0].classes != sets[1].classes:
             raise UsageError(f"train/ and val/ in {args.data_dir} hold different classes: "
-                             f"{sets[0].folder.classes} vs {sets[1].folder.classes}")
-        return tuple(_subset(s, n) for s, n in zip(sets, (args.train_size, args.val_size)))
+                             f"{sets[0].classes} vs {sets[1].classes}")
+        return tuple(sets)
     from torchvision import datasets
     cls, mean, std = {"mnist": (datasets.MNIST, [0.1307], [0.3081]),
                       "cifar10": (datasets.CIFAR10, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])}[d]
@@ -257,51 +271,48 @@ def load_data(args, download=False):
             ds = cls(args.data_dir, train=train, download=download)
         except Exception as e:  # no network, or no files and download=False
             where = os.path.join(args.data_dir, *(("MNIST", "raw") if d == "mnist" else ("cifar-10-batches-py",)))
-            raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put its "
-                             f"files in {where}, or use --dataset synthetic, which needs no download") from None
+            raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put "
+                             f"its files in {where}, or use --dataset synthetic, which needs no download") from None
         x = torch.as_tensor(ds.data[:n]).float().div(255)
-        x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)  # MNIST: N,H,W; CIFAR: N,H,W,C
-        if weights:
-            x = _to_rgb(x)
+        x = to_rgb(x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2))  # MNIST: N,H,W; CIFAR: N,H,W,C
         x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-        y = torch.as_tensor(ds.targets)[:n]
-        out.append(InMemory(x.contiguous(), y, augment=train and d == "cifar10", seed=args.seed))
+        out.append(InMemory(x.contiguous(), torch.as_tensor(ds.targets)[:n], augment=train and d == "cifar10",
+                            seed=args.seed))
     return tuple(out)
 
 
-def _to_rgb(x):
-    """Grayscale (N, 1, H, W) as 3 equal channels, so that a pretrained model keeps its first layer."""
-    if x.shape[1] not in (1, 3):
-        raise UsageError(f"--pretrained needs images of 1 or 3 channels, not {x.shape[1]}")
-    return x.expand(-1, 3, -1, -1).contiguous() if x.shape[1] == 1 else x
+def channels_and_classes(ds):
+    """(image channels, number of classes) of any map-style dataset of (image, label) pairs: the classes from its
+    `classes` attribute where it has one (a count, or the names as torchvision's datasets hold them), else from one
+    pass over its labels (every image is read: give your dataset a `classes` attribute to skip that)."""
+    x = ds.x[:1] if isinstance(ds, InMemory) else ds[(0, 0) if isinstance(ds, ImageFiles) else 0][0][None]
+    classes = getattr(ds, "classes", None)
+    if classes is None:
+        classes = 1 + max(int(y) for _, y in (ds[i] for i in range(len(ds))))
+    return x.shape[1], classes if isinstance(classes, int) else len(classes)
 
 
-def _subset(ds, n):
-    if n is not None:
-        ds.folder.samples = ds.folder.samples[:n]
-    return ds
+class Batches(BatchSampler):
+    """Batches of a sampler's indices, as the dataset wants its keys: the built-in ones with the sampler's epoch (for
+    their augmentation's seed), any other dataset plain indices. `skip` batches are left out of the next pass only:
+    that is how a resumed run skips what it had consumed."""
 
-
-class EpochBatches(BatchSampler):
-    """Batches of a sampler's indices, each key carrying the sampler's epoch (for the augmentation's seed).
-    `skip` batches are left out of the next pass only: that is how a resumed run skips what it had consumed."""
-
-    def __init__(self, sampler, batch_size, drop_last, per_sample):
+    def __init__(self, sampler, batch_size, drop_last, ds):
         super().__init__(sampler, batch_size, drop_last)
-        self.per_sample, self.skip = per_sample, 0
+        self.kind, self.skip = type(ds), 0
 
     def __iter__(self):
         epoch, skip, self.skip = getattr(self.sampler, "epoch", 0), self.skip, 0
         for i, batch in enumerate(super().__iter__()):
             if i >= skip:
-                yield [(epoch, j) for j in batch] if self.per_sample else (epoch, batch)
+                yield (epoch, batch) if self.kind is InMemory else [(epoch, j) for j in batch] \
+                    if self.kind is ImageFiles else batch
 
 
 def make_loader(ds, sampler, batch_size, drop_last, workers, device):
     """A DataLoader over batches of `sampler`; set `loader.batches.skip` to leave out the first batches of a pass."""
-    in_memory = isinstance(ds, InMemory)
-    batches = EpochBatches(sampler, batch_size, drop_last, per_sample=not in_memory)
-    if in_memory:  # the whole batch with one tensor index, in this process, on the GPU if the data fits there
+    batches = Batches(sampler, batch_size, drop_last, ds)
+    if isinstance(ds, InMemory):  # the whole batch with one tensor index, in this process, on the GPU if it fits
         if device.type == "cuda" and ds.x.nbytes < 4 * 2**30:
             ds.x, ds.y = ds.x.to(device), ds.y.to(device)  # copied once, not every step
         loader = DataLoader(ds, sampler=batches, batch_size=None)
@@ -312,9 +323,10 @@ def make_loader(ds, sampler, batch_size, drop_last, workers, device):
     return loader
 
 
-# ---- model
+# ---- model: the built-in ones, pretrained weights, freezing, optimizer and schedule
 class Net(nn.Module):
-    """The classic 2-conv net of the MNIST tutorials, without dropout; the adaptive pool lets it take any image size."""
+    """The classic 2-conv net of the MNIST tutorials, without dropout; the adaptive pool lets it take any image
+    size."""
 
     def __init__(self, channels=1, classes=10):
         super().__init__()
@@ -341,8 +353,8 @@ def make_model(name, channels, classes):
         for parent in model.modules():
             for child_name, child in parent.named_children():
                 if isinstance(child, nn.Conv2d) and child.in_channels == 3:
-                    setattr(parent, child_name, nn.Conv2d(channels, child.out_channels, child.kernel_size, child.stride,
-                                                          child.padding, bias=child.bias is not None))
+                    setattr(parent, child_name, nn.Conv2d(channels, child.out_channels, child.kernel_size,
+                                                          child.stride, child.padding, bias=child.bias is not None))
                     return model
     return model
 
@@ -367,20 +379,19 @@ def fetch_pretrained(name):
                          f"{os.path.basename(path)} (from {weights.url}) in {os.path.dirname(path)}") from None
 
 
-def load_pretrained(model, args, data):
-    """torchvision's model `args.model` with its default weights, read from the cache, and the fresh classifier head
-    of `model` (for this data's classes) in place of its own: returns it, and one line saying so. Built by
-    torchvision's builder, which also sets what the weights need (vit_h_14's image size, inception's
-    transform_input) and adapts older weight files (densenet's key names)."""
+def load_pretrained(model, name, channels, classes):
+    """torchvision's model `name` with its default weights, read from the cache, and the fresh classifier head of
+    `model` (for this data's classes) in place of its own: returns it, and one line saying so. Built by torchvision's
+    builder, which also sets what the weights need (vit_h_14's image size, inception's transform_input) and adapts
+    older weight files (densenet's key names)."""
     import torchvision
-    weights = pretrained_weights(args.model)
-    extra = dict(aux_logits=False) if args.model in AUX_LOGITS else {}
-    pretrained = torchvision.models.get_model(args.model, weights=weights, progress=False, **extra)
-    head = head_names(args.model, data.channels, data.classes)
-    for path in sorted({name.rsplit(".", 1)[0] for name in head}):
+    weights = pretrained_weights(name)
+    extra = dict(aux_logits=False) if name in AUX_LOGITS else {}
+    pretrained = torchvision.models.get_model(name, weights=weights, progress=False, **extra)
+    head = head_names(name, channels, classes)
+    for path in sorted({n.rsplit(".", 1)[0] for n in head}):
         pretrained.set_submodule(path, model.get_submodule(path))
-    return pretrained, (f"{weights}: every tensor loaded but the new head for {data.classes} classes "
-                        f"({', '.join(sorted(head))})")
+    return pretrained, f"{weights}: every tensor loaded but the new head for {classes} classes ({', '.join(sorted(head))})"
 
 
 @functools.lru_cache
@@ -396,14 +407,13 @@ def head_names(name, channels, classes):
     return frozenset(k for k in a if a[k].shape != b[k].shape)
 
 
-def load_weights(model, args, data):
+def load_weights(model, args, channels, classes):
     """--weights: a state_dict or a checkpoint (this collection's, or another tool's: a DDP `module.` or torch.compile
     `_orig_mod.` prefix is ignored), read on this rank. Returns a full state dict for `model`: the file's tensors
     where name and shape match, `model`'s own fresh ones elsewhere (another head size, another channel count).
     Prints one line saying what was left out. No match at all is an error, not a silently fresh model; so is a
     backbone tensor left fresh under --freeze-backbone, which would freeze it at its random start."""
-    _, state = _read(args.weights)
-    own, names = model.state_dict(), {}
+    state, own, names = read_checkpoint(args.weights)[1], model.state_dict(), {}
     for k in state:
         name = k
         while name.startswith(("module.", "_orig_mod.")):
@@ -417,7 +427,7 @@ def load_weights(model, args, data):
     fresh, unused = [n for n in own if n not in hits], [n for n in names if n not in own]
     listed = lambda names: ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     if args.freeze_backbone:
-        frozen_fresh = [n for n in fresh if n not in head_names(args.model, data.channels, data.classes)]
+        frozen_fresh = [n for n in fresh if n not in head_names(args.model, channels, classes)]
         if frozen_fresh:
             raise UsageError(f"--freeze-backbone would freeze tensors that {args.weights} does not hold: "
                              f"{listed(frozen_fresh)}")
@@ -427,12 +437,12 @@ def load_weights(model, args, data):
     return {**{k: v.clone() for k, v in own.items()}, **hits}
 
 
-def freeze_backbone(model, args, data):
+def freeze_backbone(model, name, channels, classes):
     """Only the classifier head keeps requires_grad. Called before DDP wraps the model: DDP then leaves the frozen
     parameters out of its gradient buckets, and no find_unused_parameters is needed."""
-    head = head_names(args.model, data.channels, data.classes)
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in head)
+    head = head_names(name, channels, classes)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in head)
 
 
 def train_mode(model, frozen_backbone):
@@ -446,23 +456,25 @@ def train_mode(model, frozen_backbone):
                 m.eval()
 
 
-def lr_schedule(warmup_steps, total_steps):
-    """Multiplier of the peak LR at each optimizer step: linear warmup, then cosine decay to 0."""
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
-    return f
-
-
-def make_optimizer(args, model):
-    params = [p for p in model.parameters() if p.requires_grad]  # with --freeze-backbone: the head only
+def make_optimizer(args, model, steps_per_epoch):
+    """The optimizer over the trainable parameters (with --freeze-backbone: the head only), and its schedule: linear
+    warmup over --warmup-epochs, then cosine decay to 0, stepped per optimizer step."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay, foreach=True)
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    else:
+        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                                    foreach=True)
+    warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
+
+    def multiplier(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
-# ---- checkpoints and metrics
+# ---- checkpoint files: written atomically, read on the CPU, checked before use
 def save_atomic(obj, path):
     """Write to a temporary file in the same folder, fsync, then rename over `path`:
     a process killed mid-save leaves the previous file intact."""
@@ -484,46 +496,134 @@ def save_atomic(obj, path):
         os.close(fd)
 
 
-def _read(path):
+def read_checkpoint(path):
+    """(the file's contents, its model state_dict): a checkpoint of this collection, or a bare state_dict."""
     if not os.path.isfile(path):
         raise UsageError(f"no such checkpoint: {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)  # CPU: no memory on GPU 0; weights_only: no code
     except Exception as e:
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        why = (str(e).splitlines() or [""])[0][:120]
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {why})") from None
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict):
         raise UsageError(f"{path} holds no state_dict")
     return ckpt, state
 
 
-def load_checkpoint(path, model):
-    """Read a checkpoint of this collection on this rank and check that it fits `model` exactly (to resume)."""
-    ckpt, state = _read(path)
-    expected = model.state_dict()
+def find_checkpoint(resume, out_dir, model, freeze_backbone):
+    """The checkpoint --resume names, read and checked against `model` (names and shapes exactly), or None for a
+    fresh start."""
+    if not resume:
+        return None
+    path = os.path.join(out_dir, "last.pt") if resume == "auto" else resume
+    if resume == "auto" and not os.path.exists(path):
+        return None
+    ckpt, state = read_checkpoint(path)
     shapes = {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}
-    if shapes != {k: tuple(v.shape) for k, v in expected.items()}:
+    if shapes != {k: tuple(v.shape) for k, v in model.state_dict().items()}:
         raise UsageError(f"{path} does not hold weights of this --model (names or shapes differ)")
+    if "optimizer" not in ckpt:
+        raise UsageError(f"{path} holds weights only, not a training state to resume: use --weights {path}")
+    if ckpt.get("args", {}).get("freeze_backbone", False) != freeze_backbone:  # its optimizer holds other parameters
+        raise UsageError(f"{path} was trained {'with' if not freeze_backbone else 'without'} --freeze-backbone: "
+                         "resume it the same way")
     return ckpt
 
 
-def append_metrics(out_dir, row, keep_until_epoch=None):
-    """One JSON line per epoch. keep_until_epoch: on resume, first drop rows the checkpoint does not cover."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if keep_until_epoch is not None:
-        rows = []
-        if os.path.exists(path):
-            rows = [r for r in map(json.loads, open(path).read().splitlines()) if r["epoch"] <= keep_until_epoch]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    if row is not None:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+# ---- progress and metrics: the step counters a checkpoint keeps, rank 0's metrics.jsonl and summary lines
+NEVER = 2**62  # "no step yet" for the first NaN/inf step
 
 
-def tensorboard_writer(out_dir):
-    from torch.utils.tensorboard import SummaryWriter
-    return SummaryWriter(out_dir)
+class Progress:
+    """Where training stands, as a checkpoint saves it (epoch, step_in_epoch, the loss sum of the epoch so far), and
+    what each step adds to it. The loss sum and the first step whose loss was NaN/inf stay on the device: a step
+    needs no host sync until the script looks, every --log-every steps."""
+
+    def __init__(self, steps_per_epoch, global_batch, max_steps, device, saved=None):
+        saved = saved or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
+        self.epoch, self.step_in_epoch, self.saved_loss_sum = saved["epoch"], saved["step_in_epoch"], saved["loss_sum"]
+        self.steps_per_epoch, self.global_batch, self.max_steps, self.device = (steps_per_epoch, global_batch,
+                                                                               max_steps, device)
+        self.step = self.epoch * steps_per_epoch + self.step_in_epoch
+        self.first_bad = torch.full((), NEVER, device=device)
+        self.first_step_time = None
+
+    def start_epoch(self, epoch):
+        """A resumed epoch keeps its step count and the loss sum of its saved part (the same on every rank, so the
+        mean over ranks stays right); any other starts from 0."""
+        if epoch != self.epoch:
+            self.epoch, self.step_in_epoch = epoch, 0
+        carried = self.saved_loss_sum if self.step_in_epoch else 0.0
+        self.loss_sum = torch.full((), carried, dtype=torch.float64, device=self.device)
+        self.t0 = self.train_time = None
+
+    def step_done(self, loss):
+        """Count one optimizer step and its loss (a 0-dim tensor on the device)."""
+        self.first_bad = torch.where(~torch.isfinite(loss) & (self.first_bad == NEVER), self.step, self.first_bad)
+        self.loss_sum += loss
+        self.last_loss = loss
+        self.step, self.step_in_epoch = self.step + 1, self.step_in_epoch + 1
+        if self.t0 is None:  # time the steady state: from the end of the epoch's first step on
+            self.t0, self.t0_step = self.sync_time(), self.step
+            self.first_step_time = self.first_step_time or self.t0
+
+    def sync_time(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the GPU's queued work is part of the time
+        return time.time()
+
+    @property
+    def epoch_done(self):
+        return self.step_in_epoch == self.steps_per_epoch or self.step == self.max_steps
+
+    def due(self, every):
+        """Whether this step is one of every `every` (None: never)."""
+        return every is not None and self.step % every == 0
+
+    def samples_per_s(self):
+        elapsed = self.train_time if self.train_time is not None else time.time() - self.t0
+        return (self.step - self.t0_step) * self.global_batch / max(elapsed, 1e-9) if self.t0 else 0.0
+
+    def end_epoch(self):
+        self.train_time = self.sync_time() - self.t0 if self.t0 else 0.0
+
+    def state(self, loss_sum):
+        """What a checkpoint keeps of it; `loss_sum`: the epoch's loss sum so far, averaged over the ranks."""
+        if self.step_in_epoch == self.steps_per_epoch:  # a finished epoch: the next one starts from its beginning
+            return {"epoch": self.epoch + 1, "step_in_epoch": 0, "loss_sum": 0.0}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "loss_sum": loss_sum}
+
+
+def start_output(out_dir, progress, tensorboard):
+    """Rank 0's output folder: metrics.jsonl keeps the rows of the epochs the checkpoint covers (none on a fresh
+    start); returns a TensorBoard writer, or None."""
+    os.makedirs(out_dir, exist_ok=True)
+    path, rows = os.path.join(out_dir, "metrics.jsonl"), []
+    if os.path.exists(path):
+        rows = [r for r in map(json.loads, open(path).read().splitlines()) if r["epoch"] <= progress.epoch]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(out_dir)
+
+
+def log_epoch(out_dir, writer, progress, row):
+    """Rank 0: one JSON line per epoch in metrics.jsonl (the epoch fractional if --max-steps ended it early), the
+    TensorBoard scalars, and the summary line."""
+    finished = progress.step_in_epoch == progress.steps_per_epoch
+    row = {"epoch": progress.epoch + (1 if finished else progress.step_in_epoch / progress.steps_per_epoch),
+           "step": progress.step, **row, "samples_per_s": progress.samples_per_s(), "epoch_time_s": progress.train_time,
+           "first_step_time": progress.first_step_time}
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if writer:
+        for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s"):
+            writer.add_scalar(k, row[k], progress.step)
+        writer.flush()  # each epoch visible now, and nothing lost at exit
+    print(f"epoch {progress.epoch + 1}  train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f}  val_acc "
+          f"{row['val_acc']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  {progress.train_time:.1f}s")
 
 
 def peak_memory_mb(device):
@@ -532,10 +632,11 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+# ---- processes: one of them does a thing while the others wait; torchrun's store across restarts
 def on_rank0(fn, rank):
-    """fn() where `rank` is 0, while the other processes wait: give the global rank for once in all (rank 0 decides and
-    reads; nodes need not share a filesystem), the local rank for once per machine. A UsageError of any of them is
-    raised on every rank, so that no rank is left waiting in a collective for one that failed."""
+    """fn() where `rank` is 0, while the other processes wait: give the global rank for once in all (rank 0 decides
+    and reads; nodes need not share a filesystem), the local rank for once per machine. A UsageError of any of them
+    is raised on every rank, so that no rank is left waiting in a collective for one that failed."""
     import torch.distributed as dist
     result, error = None, None
     if rank == 0:
@@ -587,19 +688,3 @@ def torchrun_store(rank, world_size, timeout):
         prefix = hello.get(f"answer/{token}").decode()  # waits for rank 0's answer (up to the timeout)
         hello.set(f"{prefix}/{rank}", "")
     return dist.PrefixStore(prefix, store)
-
-
-def find_checkpoint(resume, out_dir, model, freeze_backbone):
-    """The checkpoint --resume names, read and checked against `model`, or None for a fresh start."""
-    if not resume:
-        return None
-    path = os.path.join(out_dir, "last.pt") if resume == "auto" else resume
-    if resume == "auto" and not os.path.exists(path):
-        return None
-    ckpt = load_checkpoint(path, model)
-    if "optimizer" not in ckpt:
-        raise UsageError(f"{path} holds weights only, not a training state to resume: use --weights {path}")
-    if ckpt.get("args", {}).get("freeze_backbone", False) != freeze_backbone:  # its optimizer holds other parameters
-        raise UsageError(f"{path} was trained {'with' if not freeze_backbone else 'without'} --freeze-backbone: "
-                         "resume it the same way")
-    return ckpt

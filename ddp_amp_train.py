@@ -12,6 +12,7 @@ ddp_launch_train.py (torchrun, srun, or one process).
 import argparse
 import contextlib
 import datetime
+import functools
 import os
 import re
 import signal
@@ -29,8 +30,6 @@ from tqdm import tqdm
 
 import common
 
-NEVER = 2**62  # "no step yet" for the first NaN/inf step
-
 
 def launcher_env():
     """(rank, world_size, local_rank, local_world_size): from torchrun, from srun, or a lone process."""
@@ -39,18 +38,20 @@ def launcher_env():
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", 1))
     if "SLURM_STEP_NUM_TASKS" in env:  # a task of srun. (sbatch's batch script also has SLURM_PROCID and
         # SLURM_NTASKS, but it is one process: waiting there for the other ranks would wait forever)
-        tasks_per_node = [int(n) for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])
-                          for n in [count] * int(times or 1)]
-        env.setdefault("MASTER_ADDR", re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", env["SLURM_STEP_NODELIST"]).group(0).replace("[", ""))
+        counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # e.g. "8(x2),4"
+        tasks_per_node = [int(n) for count, times in counts for n in [count] * int(times or 1)]
+        first_node = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
+        env.setdefault("MASTER_ADDR", first_node.replace("[", ""))
         env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # the same on every node, per job
         return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_LOCALID"]),
                 tasks_per_node[int(env["SLURM_NODEID"])])
     return 0, 1, 0, 1
 
 
-def main(args, rank, world_size, local_rank, local_world_size):
-    # ---- setup: pick this process's device, then join the process group
-    common.check_args(args)
+def setup_distributed(args):
+    """This process's rank (from the launcher's environment variables) and device, then the process group: every
+    rank joins it before anything else. Returns (rank, world_size, local_rank, device)."""
+    rank, world_size, local_rank, local_world_size = launcher_env()
     use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     backend = args.backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
@@ -60,7 +61,7 @@ def main(args, rank, world_size, local_rank, local_world_size):
                                 "NCCL needs one GPU per process (gloo can share one)")
     if args.sync_bn and not use_cuda:
         raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm has no CPU implementation")
-    if args.precision == "bf16" and use_cuda and not torch.cuda.is_bf16_supported():
+    if args.precision == "bf16" and use_cuda and not torch.cuda.is_bf16_supported():  # [amp]
         raise common.UsageError("this GPU has no bf16: use --precision fp16")
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
     if use_cuda:
@@ -76,10 +77,12 @@ def main(args, rank, world_size, local_rank, local_world_size):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:  # srun, or any launcher that sets MASTER_ADDR/MASTER_PORT
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    master = rank == 0  # only rank 0 prints and writes files
-    out_dir = args.out_dir or os.path.join("runs", "ddp_amp_train")
+    return rank, world_size, local_rank, device
 
-    # ---- data: every rank draws the same global order and trains on its own part of each global batch
+
+def build_data(args, rank, world_size, device):
+    """Every rank draws the same global order and trains on its own part of each global batch; every validation
+    sample is on exactly one rank. Returns (train_set, sampler, train_loader, val_loader)."""
     # rank 0 downloads first, alone, so that N processes never write the same files at once
     common.on_rank0(lambda: common.load_data(args, download=True), rank)
     train_set, val_set = common.load_data(args)
@@ -90,171 +93,108 @@ def main(args, rank, world_size, local_rank, local_world_size):
     # validation: every sample exactly once over all ranks (no padding duplicates, unlike DistributedSampler's)
     val_shard = range(rank, len(val_set), world_size)
     val_loader = common.make_loader(val_set, val_shard, args.batch_size, False, args.workers, device)
-    steps_per_epoch, global_batch = len(train_loader), args.batch_size * args.grad_accum * world_size
-    if steps_per_epoch == 0:
-        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch ({global_batch})")
+    if len(train_loader) == 0:
+        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "
+                                f"({args.batch_size * args.grad_accum * world_size})")
+    return train_set, sampler, train_loader, val_loader
 
-    # ---- model: build it the same on every rank, load weights on rank 0; DDP broadcasts rank 0's at wrapping
+
+def build_model(args, train_set, device, memory_format, rank, local_rank):
+    """The same model on every rank, weights read on rank 0 only, then wrapped: DDP broadcasts rank 0's weights.
+    Returns (raw_model, model): the plain module (to save, to evaluate) and the wrapped one (to train)."""
     torch.manual_seed(args.seed)
-    raw_model = common.make_model(args.model, train_set.channels, train_set.classes)
+    channels, classes = common.channels_and_classes(train_set)
+    raw_model = common.make_model(args.model, channels, classes)
     if args.pretrained:  # one process per machine downloads them into the torch hub cache, then every rank reads them
         common.on_rank0(lambda: common.fetch_pretrained(args.model), local_rank)
-        raw_model, note = common.load_pretrained(raw_model, args, train_set)
-        if master:
+        raw_model, note = common.load_pretrained(raw_model, args.model, channels, classes)
+        if rank == 0:
             print(note)
     if args.weights:  # any head size or channel count: what matches by name and shape is loaded
-        common.on_rank0(lambda: raw_model.load_state_dict(common.load_weights(raw_model, args, train_set)), rank)
+        common.on_rank0(lambda: raw_model.load_state_dict(common.load_weights(raw_model, args, channels, classes)),
+                        rank)
     if args.freeze_backbone:  # before DDP, which then leaves the frozen parameters out (no find_unused_parameters)
-        common.freeze_backbone(raw_model, args, train_set)
+        common.freeze_backbone(raw_model, args.model, channels, classes)
+    raw_model.to(device, memory_format=memory_format)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    raw_model.to(device, memory_format=memory_format)
-    model = DDP(raw_model, device_ids=[device.index] if use_cuda else None, gradient_as_bucket_view=True)
+    model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     if args.compile:
         model = torch.compile(model)
-    optimizer = common.make_optimizer(args, raw_model)
-    # autocast runs matmuls and convolutions in 16 bits and keeps reductions (softmax, losses) in fp32
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32")
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # only fp16 needs loss scaling
-    total_steps = args.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, common.lr_schedule(round(args.warmup_epochs * steps_per_epoch), total_steps))
+    return raw_model, model
 
-    # ---- resume: rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed)
+
+def resume(args, raw_model, optimizer, scheduler, scaler, out_dir, rank):
+    """Rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed). Returns the
+    progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone), rank)
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
-    meta = meta[0] or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
-    if "scheduler" in meta:
+    if meta[0]:
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(raw_model, ckpt["model"] if master else {}, options=options)
-        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"] if master else {}, options=options)
-        scheduler.load_state_dict(meta["scheduler"])
-        if meta.get("scaler"):  # a checkpoint of another script or precision has none: start a fresh scale
-            scaler.load_state_dict(meta["scaler"])
-    del ckpt
-    start_epoch, step_in_epoch = meta["epoch"], meta["step_in_epoch"]
-    step = start_epoch * steps_per_epoch + step_in_epoch
-    if master:
-        os.makedirs(out_dir, exist_ok=True)
-        common.append_metrics(out_dir, None, keep_until_epoch=start_epoch)  # a fresh run starts an empty file
-        writer = common.tensorboard_writer(out_dir) if args.tensorboard else None
-        print(f"ddp {args.precision}: {world_size} processes, backend {backend}, device {device.type}, global batch "
-              f"{global_batch}" + (f", resuming at step {step}" if step else ""))
+        set_model_state_dict(raw_model, ckpt["model"] if rank == 0 else {}, options=options)
+        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"] if rank == 0 else {}, options=options)
+        scheduler.load_state_dict(meta[0]["scheduler"])
+        if meta[0].get("scaler"):  # [amp] a checkpoint of another script or precision has none: a fresh scale
+            scaler.load_state_dict(meta[0]["scaler"])
+    return meta[0]
 
-    def save(epoch, step_in_epoch, loss_sum):
-        # every rank joins here (state dicts may gather); only rank 0 writes
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
-        model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
-        if master:
-            common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                                "epoch": epoch, "step_in_epoch": step_in_epoch, "loss_sum": loss_sum,
-                                "args": vars(args), "world_size": world_size,
-                                "scaler": scaler.state_dict()}, os.path.join(out_dir, "last.pt"))
 
-    # ---- train
-    # the first step whose loss was NaN/inf, kept on the device: no host sync per step
-    first_bad, step_t = torch.full((), NEVER, device=device), torch.full((), step, device=device)
-    first_step_time = None
-    for epoch in range(start_epoch, args.epochs):
-        # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
-        sampler.set_epoch(epoch)
-        train_loader.batches.skip = step_in_epoch  # a resumed epoch skips the batches it had already trained on
-        common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # this rank's sum of step losses, this epoch
-        if master and epoch == start_epoch:  # a resumed epoch: what the saved part of it added, as if on this rank
-            loss_sum += meta["loss_sum"] * world_size
-        bar = tqdm(total=steps_per_epoch, initial=step_in_epoch, disable=not master, desc=f"epoch {epoch + 1}",
-                   leave=False, file=sys.stdout)
-        t0 = None
-        for x, y in train_loader:
-            x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
-            step_loss = torch.zeros((), device=device)
-            for micro, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
-                # no_sync: accumulate locally and all-reduce only once, with the last micro-batch of the step
-                with model.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
-                    with autocast:
-                        loss = F.cross_entropy(model(xm), ym) / args.grad_accum
-                    scaler.scale(loss).backward()  # fp16: a scaled loss, so that small gradients do not flush to 0
-                step_loss += loss.detach()
-            scaler.step(optimizer)  # unscales the gradients; skips the step if any is inf/NaN (fp16 overflow)
-            scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            first_bad = torch.where(~torch.isfinite(step_loss) & (first_bad == NEVER), step_t, first_bad)
-            step_t += 1
-            loss_sum += step_loss
-            step, step_in_epoch = step + 1, step_in_epoch + 1
-            bar.update()
-            if t0 is None:  # time the steady state: from the end of the epoch's first step on
-                if use_cuda:
-                    torch.cuda.synchronize()
-                t0, t0_step = time.time(), step
-                first_step_time = first_step_time or t0
-            done = step_in_epoch == steps_per_epoch or step == args.max_steps
-            if step % args.log_every == 0 or done or (args.save_every and step % args.save_every == 0):
-                check_finite(first_bad, rank)  # all ranks agree on it, so all stop together
-                if master:
-                    bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                                    samples_per_s=f"{(step - t0_step) * global_batch / max(time.time() - t0, 1e-9):.0f}")
-            if args.save_every and step % args.save_every == 0 and not done:
-                save(epoch, step_in_epoch, mean_over_ranks(loss_sum))
-            if done:
-                break
-        bar.close()
-        if use_cuda:
-            torch.cuda.synchronize()
-        train_time = time.time() - t0
-        train_loss = mean_over_ranks(loss_sum) / step_in_epoch
+def train_step(model, x, y, optimizer, scheduler, autocast, scaler, args):
+    """One optimizer step over --grad-accum micro-batches; returns its loss, on the device (no host sync)."""
+    step_loss = torch.zeros((), device=x.device)
+    for micro, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
+        # no_sync: accumulate locally and all-reduce only once, with the last micro-batch of the step
+        with model.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
+            with autocast:  # [amp] matmuls and convolutions in 16 bits; reductions (softmax, losses) in fp32
+                loss = F.cross_entropy(model(xm), ym) / args.grad_accum
+            scaler.scale(loss).backward()  # [amp] fp16: a scaled loss, so that small gradients do not flush to 0
+        step_loss += loss.detach()
+    scaler.step(optimizer)  # [amp] unscales the gradients; skips the step if any is inf/NaN (fp16 overflow)
+    scaler.update()  # [amp]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss
 
-        # ---- eval
-        # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
-        for buffer in raw_model.buffers():
-            dist.broadcast(buffer, src=0)
-        t1 = time.time()
-        with autocast:
-            val_loss, val_acc, val_count = evaluate(raw_model, val_loader, device, memory_format)
-        eval_time = time.time() - t1
 
-        # ---- save
-        finished = step_in_epoch == steps_per_epoch
-        if master:
-            row = {"epoch": epoch + 1 if finished else epoch + step_in_epoch / steps_per_epoch, "step": step,
-                   "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
-                   "lr": scheduler.get_last_lr()[0], "samples_per_s": (step - t0_step) * global_batch / max(train_time, 1e-9),
-                   "epoch_time_s": train_time, "eval_time_s": eval_time, "first_step_time": first_step_time,
-                   "world_size": world_size, "peak_mem_mb": common.peak_memory_mb(device)}
-            common.append_metrics(out_dir, row)
-            if writer:
-                for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s"):
-                    writer.add_scalar(k, row[k], step)
-                writer.flush()  # each epoch visible now, and nothing lost at exit
-            print(f"epoch {epoch + 1}  train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  val_acc {val_acc:.4f}  "
-                  f"lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  {train_time:.1f}s")
-        if finished:
-            save(epoch + 1, 0, 0.0)
-        else:  # stopped by --max-steps: a mid-epoch checkpoint
-            save(epoch, step_in_epoch, train_loss * step_in_epoch)
-        step_in_epoch = 0
-        if step == args.max_steps:
+def train_one_epoch(model, loader, optimizer, scheduler, autocast, scaler, progress, args, device, memory_format,
+                    checkpoint):
+    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
+    loss over its steps and the ranks."""
+    common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
+    loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
+    bar = tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, disable=dist.get_rank() != 0,
+               desc=f"epoch {progress.epoch + 1}", leave=False, file=sys.stdout)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
+        progress.step_done(train_step(model, x, y, optimizer, scheduler, autocast, scaler, args))  # [amp]
+        bar.update()
+        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
+            check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
+            bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                            samples_per_s=f"{progress.samples_per_s():.0f}")
+        if progress.epoch_done:
             break
+        if progress.due(args.save_every):
+            checkpoint()
+    bar.close()
+    progress.end_epoch()
+    return mean_over_ranks(progress.loss_sum) / progress.step_in_epoch
+
+
+def check_finite(first_bad):
+    """Every rank learns the first NaN/inf step of any rank: one all-reduce and host sync, every --log-every steps."""
+    bad = first_bad.clone()
+    dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+    if bad.item() != common.NEVER:
+        raise common.NonFinite(f"loss is NaN/inf at step {int(bad.item()) + 1}: stopped, the last checkpoint is older")
 
 
 def mean_over_ranks(t):
     t = t.clone()
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
-
-
-def check_finite(first_bad, rank):
-    """Every rank learns the first NaN/inf step of any rank: one all-reduce and host sync, every --log-every steps."""
-    bad = first_bad.clone()
-    dist.all_reduce(bad, op=dist.ReduceOp.MIN)
-    if bad.item() != NEVER:
-        raise common.NonFinite(f"loss is NaN/inf at step {int(bad.item()) + 1}: stopped, the last checkpoint is older")
 
 
 @torch.no_grad()
@@ -270,27 +210,83 @@ def evaluate(model, loader, device, memory_format):
         totals[2] += len(y)
     dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count)
+    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+
+
+def save(out_dir, raw_model, optimizer, scheduler, scaler, progress, args):
+    """Every rank joins (the state dicts may gather, the loss is averaged); rank 0 writes the whole training state:
+    plain names and whole tensors, loadable by any script, any number of processes, with or without a GPU."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+    model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
+    state = progress.state(mean_over_ranks(progress.loss_sum))
+    if dist.get_rank() == 0:
+        common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+                            **state, "args": vars(args), "world_size": dist.get_world_size(),
+                            "scaler": scaler.state_dict()},  # [amp] the loss scale, as Apex's amp.state_dict() kept it
+                           os.path.join(out_dir, "last.pt"))
+
+
+def main(args):
+    common.check_args(args)
+    rank, world_size, local_rank, device = setup_distributed(args)
+    master = rank == 0  # only rank 0 prints and writes files
+    out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    train_set, sampler, train_loader, val_loader = build_data(args, rank, world_size, device)
+    raw_model, model = build_model(args, train_set, device, memory_format, rank, local_rank)
+    optimizer, scheduler = common.make_optimizer(args, raw_model, len(train_loader))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]  # [amp]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32")  # [amp]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # [amp] only fp16 needs loss scaling
+    saved = resume(args, raw_model, optimizer, scheduler, scaler, out_dir, rank)  # [amp]
+    global_batch = args.batch_size * args.grad_accum * world_size
+    progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
+    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, scaler, progress, args)  # [amp]
+    writer = common.start_output(out_dir, progress, args.tensorboard) if master else None
+    if master:
+        print(f"ddp {args.precision}: {world_size} processes, backend {dist.get_backend()}, "  # [amp]
+              f"device {device.type}, global batch {global_batch}"
+              + (f", resuming at step {progress.step}" if progress.step else ""))
+
+    for epoch in range(progress.epoch, args.epochs):
+        # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+        sampler.set_epoch(epoch)
+        progress.start_epoch(epoch)
+        train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, autocast, scaler,  # [amp]
+                                     progress, args, device, memory_format, checkpoint)
+        # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
+        for buffer in raw_model.buffers():
+            dist.broadcast(buffer, src=0)
+        t1 = time.time()
+        with autocast:  # [amp]
+            val = evaluate(raw_model, val_loader, device, memory_format)
+        if master:
+            row = {"train_loss": train_loss, **val, "lr": scheduler.get_last_lr()[0], "eval_time_s": time.time() - t1}
+            common.log_epoch(out_dir, writer, progress, {**row, "world_size": world_size,
+                                                         "peak_mem_mb": common.peak_memory_mb(device)})
+        checkpoint()
+        if progress.step == args.max_steps:
+            break
 
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],
-                        help="bf16 (no loss scaling needed; Ampere+ GPUs, CPU), fp16 (with GradScaler; older GPUs) or fp32")
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true",
                         help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],  # [amp]
+                        help="bf16 (no loss scaling needed; Ampere+ GPUs, CPU), fp16 (with GradScaler; older GPUs) or "
+                        "fp32")
     args = parser.parse_args()
-    rank, world_size, local_rank, local_world_size = launcher_env()
     # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        main(args, rank, world_size, local_rank, local_world_size)
+        main(args)
     except (common.UsageError, common.NonFinite) as e:
-        if rank == 0:  # every rank raises the same error; one line, once
+        if launcher_env()[0] == 0:  # every rank raises the same error; one line, once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, common.UsageError) else 1)
     finally:

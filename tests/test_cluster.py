@@ -287,6 +287,7 @@ def sbatch(cluster, args, tmp_path, cwd=REPO):
     return output
 
 
+@pytest.mark.slow
 @pytest.mark.floor
 def test_srun_trains_like_torchrun(slurm_cluster, reference, tmp_path):
     out = tmp_path / "run"

@@ -155,13 +155,13 @@ def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):
     """A 1-channel cnn's file leaves a 3-channel cnn's conv1.weight fresh: fine to train, not to freeze."""
     torch.manual_seed(0)
     torch.save(common.make_model("cnn", 1, 10).state_dict(), tmp_path / "w.pt")
-    model, data = common.make_model("cnn", 3, 10), types.SimpleNamespace(channels=3, classes=10)
+    model = common.make_model("cnn", 3, 10)
     args = types.SimpleNamespace(weights=str(tmp_path / "w.pt"), model="cnn", freeze_backbone=True)
     with pytest.raises(common.UsageError, match="--freeze-backbone would freeze tensors that .* does not hold: "
                                                 "conv1.weight$"):
-        common.load_weights(model, args, data)
+        common.load_weights(model, args, 3, 10)
     args.freeze_backbone = False
-    assert torch.equal(common.load_weights(model, args, data)["conv1.weight"], model.state_dict()["conv1.weight"])
+    assert torch.equal(common.load_weights(model, args, 3, 10)["conv1.weight"], model.state_dict()["conv1.weight"])
 
 
 def test_pretrained_preprocessing_is_the_weights_own(images):

@@ -90,7 +90,7 @@ def evaluate_alone(ckpt):
     """Loss and accuracy of a checkpoint over the whole validation set, in this one process."""
     args = argparse.Namespace(**ckpt["args"])
     _, val_set = common.load_data(args)
-    model = common.make_model(args.model, val_set.channels, val_set.classes)
+    model = common.make_model(args.model, *common.channels_and_classes(val_set))
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():

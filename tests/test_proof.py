@@ -103,7 +103,7 @@ def single_process_eval(out_dir):
     ckpt = checkpoint(out_dir)
     args = types.SimpleNamespace(**ckpt["args"])
     _, val_set = common.load_data(args)
-    model = common.make_model(args.model, val_set.channels, val_set.classes)
+    model = common.make_model(args.model, *common.channels_and_classes(val_set))
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
@@ -227,8 +227,6 @@ def test_mixed_precision_accuracy(session_dir):
 
 @pytest.mark.slow
 @pytest.mark.floor
-@pytest.mark.slow
-@pytest.mark.floor
 def test_fp16_trains_like_fp32_and_its_scaler_survives_resume(tmp_path):
     args = ["--train-size", 256, "--val-size", 32, "--batch-size", 32]
     run("ddp_amp_train.py", *args, "--precision", "fp32", "--max-steps", 4, "--out-dir", tmp_path / "fp32")
@@ -270,6 +268,7 @@ def test_workers_do_not_change_results(tmp_path):
     assert all(torch.equal(ds[(1, i)][0], views[8 + i]) for i in range(8))  # and the same again when asked again
 
 
+@pytest.mark.slow
 def test_weights_reach_every_rank(proof_run, tmp_path):
     """--weights is read on rank 0 only; DDP's broadcast at wrapping must give it to rank 1 too. With --lr 0 nothing
     trains, so the 2-process evaluation (each rank evaluates its half) must equal one process evaluating the file."""

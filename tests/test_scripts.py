@@ -36,8 +36,6 @@ def script_run(session_dir):
 
 @pytest.mark.slow
 @pytest.mark.floor
-@pytest.mark.slow
-@pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_learns_and_logs_once(script_run, name):
     proc, out = script_run(name)
@@ -54,8 +52,6 @@ def test_learns_and_logs_once(script_run, name):
 
 @pytest.mark.slow
 @pytest.mark.floor
-@pytest.mark.slow
-@pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_metrics_format(script_run, name):
     _, out = script_run(name)
@@ -68,8 +64,6 @@ def test_metrics_format(script_run, name):
     assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
 
 
-@pytest.mark.slow
-@pytest.mark.floor
 @pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
