@@ -1,64 +1,154 @@
-"""The scripts are deliberate copies of each other, so that each reads alone. This keeps them honest: outside
-their launch-specific setup, ddp_spawn_train.py and ddp_amp_train.py may differ from ddp_launch_train.py only in
-lines that are about their launch style or precision. A fix made in one script and not the others fails here."""
+"""The scripts are deliberate copies of each other, so that each reads alone. This test keeps the copies honest.
+
+Every step (top-level function) that a script shares with ddp_launch_train.py, and its `__main__` block, must do the
+same, statement by statement (code, not comments or docstrings), except in the statements tagged with the script's
+own marker, a comment holding `[amp]`, `[spawn]`, `[fsdp]` or `[dp]`:
+- a tagged statement is the script's own: it may be added, or replace one statement of the reference in its place;
+- a tagged comment on a line of its own lets the statements of the reference around it go, replaced by the script's
+  tagged ones or by none (it says why they are not needed there);
+- a tagged `def` (or `if __name__` line) makes the whole function the script's own;
+- a tagged `with` makes only the wrapper the script's own: the statements inside it are still compared;
+- a tagged `if`/`for`/`while`/`try` makes the whole block the script's own.
+So a statement dropped from one script (say its `check_finite(...)`) or changed without a tag fails here."""
 import ast
+import copy
 import difflib
+import io
 import os
+import tokenize
 
 import pytest
 
 from conftest import ROOT, clean_env
 
-ALLOWED = {  # script: words that every line it changes (outside the setup section) must contain one of
-    "ddp_spawn_train.py": ["ddp_spawn_train"],
-    "ddp_amp_train.py": ["autocast", "scaler", "precision", "backward()", "optimizer.step()", "ddp_amp_train",
-                         '"args": vars(args)', 'print(f"ddp'],
+REFERENCE = "ddp_launch_train.py"
+TAGS = {"ddp_amp_train.py": "[amp]", "ddp_spawn_train.py": "[spawn]", "fsdp_train.py": "[fsdp]", "dp_train.py": "[dp]"}
+STEPS = ["build_data", "build_model", "resume", "train_step", "train_one_epoch", "evaluate", "save", "main"]
+BLOCKS = ("body", "orelse", "handlers", "finalbody")
+
+
+def comments(source):
+    """{line number: comment text} of a source file."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return {t.start[0]: t.string for t in tokens if t.type == tokenize.COMMENT}
+
+
+DROP = "# (a tagged comment: the reference's statements here may go)"
+
+
+def flatten(nodes, tagged, notes, depth=0):
+    """[(depth, code, is_tagged)] for these statements, a compound one as its header followed by its blocks; a
+    tagged comment line of its own (in `notes`, line numbers) as DROP, where it stands."""
+    out, previous = [], nodes[0].lineno - 1 if nodes else 0
+    for node in nodes:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        out += [(depth, DROP, True) for n in notes if previous < n < first]
+        previous = node.end_lineno
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue  # a docstring
+        blocks = [(field, getattr(node, field)) for field in BLOCKS if getattr(node, field, None)]
+        if not blocks:  # a simple statement: tagged if any of its lines is
+            out.append((depth, ast.unparse(node), tagged(node.lineno, node.end_lineno)))
+            continue
+        header = copy.copy(node)
+        for field, _ in blocks:
+            setattr(header, field, [])
+        is_tagged = tagged(node.lineno, node.body[0].lineno - 1)
+        if is_tagged and not isinstance(node, (ast.With, ast.AsyncWith)):
+            out.append((depth, ast.unparse(node), True))  # the whole block is the script's own
+            continue
+        inner = depth if is_tagged else depth + 1  # a tagged `with`: its statements compared at the wrapper's depth
+        out.append((depth, ast.unparse(header).splitlines()[-1], is_tagged))
+        for field, block in blocks:
+            if field != "body":
+                out.append((depth, f"{field}:", False))
+            out += flatten(block, tagged, notes, inner)
+    return out
+
+
+def steps(script, source=None):
+    """{function name: its flattened statements, or None if its def line is tagged}, '__main__' for the main block."""
+    source = source if source is not None else open(os.path.join(ROOT, script)).read()
+    marks = comments(source)
+    tag = TAGS.get(script)
+    tagged = lambda first, last: bool(tag) and any(tag in marks.get(n, "") for n in range(first, last + 1))
+    lines = source.splitlines()
+    notes = [n for n, text in marks.items() if tag and tag in text and lines[n - 1].lstrip().startswith("#")]
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            name = node.name
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            name = "__main__"
+        else:
+            continue
+        own = tagged(node.lineno, node.body[0].lineno - 1)
+        found[name] = None if own else flatten(node.body, tagged, notes)
+    return found
+
+
+def drift(script, source=None):
+    """What differs from the reference without a tag, as readable lines (empty if nothing)."""
+    ref, mine = steps(REFERENCE), steps(script, source)
+    problems = []
+    for name in ref:
+        if name not in mine or mine[name] is None:
+            continue
+        a = [f"{'    ' * d}{code}" for d, code, _ in ref[name]]
+        b = [f"{'    ' * d}{code}" for d, code, _ in mine[name]]
+        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+            if op == "equal":
+                continue
+            untagged = [b[j] for j in range(j1, j2) if not mine[name][j][2]]
+            statements = [b[j] for j in range(j1, j2) if mine[name][j][1] != DROP]
+            if untagged:
+                problems += [f"{name}: not in {REFERENCE} and not tagged {TAGS[script]}: {line.strip()}"
+                             for line in untagged]
+                problems += [f"{name}: instead of: {line.strip()}" for line in a[i1:i2]]
+            elif i2 - i1 > len(statements) == j2 - j1:  # more statements gone than tagged ones came, and no DROP
+                problems += [f"{name}: dropped: {line.strip()}" for line in a[i1 + len(statements):i2]]
+    return problems
+
+
+@pytest.mark.floor
+def test_every_script_names_the_same_steps():
+    for script in [REFERENCE, *TAGS]:
+        names = steps(script)
+        missing = [s for s in STEPS if s not in names]
+        assert not missing, f"{script} lacks {missing}"
+        assert "setup_distributed" in names or script == "dp_train.py", script
+    reference = open(os.path.join(ROOT, REFERENCE)).read()
+    assert not any(tag in reference for tag in TAGS.values()), "the reference carries no tags"
+
+
+@pytest.mark.floor
+@pytest.mark.parametrize("script", TAGS)
+def test_scripts_differ_only_in_tagged_lines(script):
+    problems = drift(script)
+    assert not problems, "\n".join(problems)
+
+
+BREAKAGES = {  # what a script must not lose: the start of the lines that go
+    "check_finite": ["            check_finite(progress.first_bad)"],
+    "set_epoch": ["        sampler.set_epoch(epoch)"],
+    "buffer broadcast": ["        for buffer in raw_model.buffers():", "            dist.broadcast(buffer, src=0)"],
 }
-# fsdp_train.py adds sharding, memory accounting and padded evaluation; it may drop only these shared lines
-FSDP_MAY_DROP = ["DDP", "weights", "rank)", "sync_bn", "SyncBatchNorm", 'print(f"ddp', "global_batch}", "first_step_time",
-                 "micro", "no_sync", "loss = F.cross_entropy", "running statistics", "evaluate(", "peak_mem_mb",
-                 "Loss and accuracy"]
-
-
-def shared_part(script):
-    """From the data section to the end of evaluate(): what every DDP script does the same way."""
-    text = open(os.path.join(ROOT, script)).read()
-    start = text.index("    # ---- data")
-    end = min(i for i in (text.find("\ndef worker"), text.find("\nif __name__")) if i > 0)
-    return [line.strip() for line in text[start:end].splitlines() if line.strip()]
-
-
-def changed_lines(script):
-    diff = difflib.unified_diff(shared_part("ddp_launch_train.py"), shared_part(script), n=0, lineterm="")
-    return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 
 
 @pytest.mark.floor
-@pytest.mark.parametrize("script", ALLOWED)
-def test_scripts_differ_only_in_launch_style(script):
-    unexpected = [line for line in changed_lines(script) if not any(word in line for word in ALLOWED[script])]
-    assert not unexpected, "\n".join(unexpected)
-
-
-@pytest.mark.floor
-def test_fsdp_keeps_the_shared_lines():
-    dropped = [line for line in changed_lines("fsdp_train.py") if line.startswith("-")]
-    unexpected = [line for line in dropped if not any(word in line for word in FSDP_MAY_DROP)]
-    assert not unexpected, "\n".join(unexpected)
-
-
-def function_source(script, name):
-    text = open(os.path.join(ROOT, script)).read()
-    return next(ast.get_source_segment(text, node) for node in ast.parse(text).body
-                if isinstance(node, ast.FunctionDef) and node.name == name)
-
-
-@pytest.mark.floor
-def test_torchrun_scripts_read_the_launcher_alike():
-    """launcher_env() lies before the compared part: its copies in the three torchrun scripts must be the same."""
-    ref = function_source("ddp_launch_train.py", "launcher_env")
-    for script in ("ddp_amp_train.py", "fsdp_train.py"):
-        assert function_source(script, "launcher_env") == ref, f"{script}: launcher_env() differs"
+@pytest.mark.parametrize("script", TAGS)
+@pytest.mark.parametrize("what", BREAKAGES)
+def test_drift_is_caught(script, what):
+    """The test above fails when a script drops any of these (dp_train.py has no buffers to broadcast: one
+    process)."""
+    lines = open(os.path.join(ROOT, script)).read().splitlines(keepends=True)
+    kept = [line for line in lines if not line.startswith(tuple(BREAKAGES[what]))]
+    if script == "dp_train.py" and what == "buffer broadcast":
+        assert kept == lines
+        return
+    assert len(lines) - len(kept) == len(BREAKAGES[what]), f"{script}: not found, or found twice"
+    dropped = [p for p in drift(script, "".join(kept)) if "dropped" in p]
+    assert [p.split("dropped: ")[1] for p in dropped] == [line.strip() for line in BREAKAGES[what]], dropped
 
 
 def launcher_scripts():
