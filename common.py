@@ -3,12 +3,15 @@ data, the model, checkpoint files, progress and metrics. Nothing runs at import.
 script (how a process learns its rank, how the model is wrapped, how gradients and results are reduced) is in the
 script itself."""
 import argparse
+import fcntl
 import functools
 import importlib.util
 import json
 import math
 import os
+import pickle
 import resource
+import signal
 import sys
 import time
 
@@ -16,10 +19,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader
+from tqdm import tqdm
 
 
 class UsageError(Exception):
     """Bad input: the scripts print it as one line (on rank 0 only) and exit with status 2."""
+
+    def __str__(self):  # raised again in the main process after a DataLoader worker's: its original last line
+        return super().__str__().strip().splitlines()[-1].split("UsageError: ")[-1]
+
+
+class BadFile(UsageError):
+    """A file that only one rank reads turned out unreadable (an image in a DataLoader worker): that rank prints it."""
 
 
 class NonFinite(Exception):
@@ -27,50 +38,66 @@ class NonFinite(Exception):
 
 
 # ---- command line: the same flags, with the same meanings, in every script
+def launcher_rank():
+    """This process's rank as its launcher set it (torchrun, srun), 0 without one: who prints a usage error."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def launched_as_one_of_several():
+    """The launcher that started this process as one of several (torchrun, an srun step of several tasks), or None:
+    what the one-process scripts refuse. (sbatch's batch script is one process, though SLURM_NTASKS may be more.)"""
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "torchrun"
+    return "srun" if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 else None
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """argparse's own errors (an unknown flag, a bad choice): once, not once per process of a launcher."""
+        if launcher_rank() == 0:
+            print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default."""
+
+
 def get_parser(doc):
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=doc, formatter_class=HelpFormatter)
     a = p.add_argument
-    a("--dataset", default="synthetic", help="synthetic (offline, MNIST-shaped), mnist, cifar10 or imagefolder")
-    a("--data-dir", default="./data",
-      help="where mnist/cifar10 are downloaded to; for imagefolder, the folder holding train/ and val/")
-    a("--train-size", type=int,
-      help="number of training samples (synthetic: default 10000; real data: a subset, default all)")
-    a("--val-size", type=int,
-      help="number of validation samples (synthetic: default 2000; real data: a subset, default all)")
-    a("--image-size", type=int, help="imagefolder: images are resized to this square size (default 224; with "
-      "--pretrained: the crop size, default the weights' own)")
-    a("--synthetic-shape", default="1x28x28",
-      help="synthetic: the image shape CxHxW, e.g. 3x224x224 for ImageNet models")
-    a("--model", default="cnn",
-      help="cnn (small 2-conv net) or any torchvision classification model by name, e.g. resnet18")
+    a("--dataset", default="synthetic", choices=["synthetic", "mnist", "cifar10", "imagefolder"],
+      help="synthetic (offline, MNIST-shaped), mnist, cifar10 or imagefolder")
+    a("--data-dir", default="./data", help="mnist/cifar10: downloaded here; imagefolder: the folder of train/, val/")
+    a("--train-size", type=int, help="training samples (synthetic: default 10000; real data: a subset, default all)")
+    a("--val-size", type=int, help="validation samples (synthetic: default 2000; real data: a subset, default all)")
+    a("--image-size", type=int, help="imagefolder: resize to this square (default 224; with --pretrained: the crop "
+      "size, default the weights' own)")
+    a("--synthetic-shape", default="1x28x28", help="synthetic: image shape CxHxW, e.g. 3x224x224 for ImageNet models")
+    a("--model", default="cnn", help="cnn (a small 2-conv net) or a torchvision classification model, e.g. resnet18")
     a("--pretrained", action="store_true", help="start from the torchvision model's default ImageNet weights, with a "
-      "new head for this data's classes and the weights' own preprocessing (fetched once per machine into the torch "
-      "hub cache)")
+      "new head for this data's classes and the weights' own preprocessing (fetched once per machine)")
     a("--freeze-backbone", action="store_true", help="train only the classifier head; the rest (BatchNorm statistics "
       "included) keeps the --pretrained or --weights values")
     a("--epochs", type=int, default=2, help="number of passes over the training set")
-    a("--batch-size", type=int, default=64,
-      help="batch size per process (per GPU); the global batch is this times the number of processes")
-    a("--lr", type=float, default=0.01,
-      help="peak learning rate, for the global batch: it is NOT rescaled with the number of processes")
+    a("--batch-size", type=int, default=64, help="per process (per GPU): the global batch is this times the processes")
+    a("--lr", type=float, default=0.01, help="peak learning rate, for the global batch: NOT rescaled with processes")
     a("--optimizer", default="sgd", choices=["sgd", "adamw"], help="sgd (with --momentum) or adamw")
     a("--momentum", type=float, default=0.9, help="SGD momentum")
     a("--weight-decay", type=float, default=5e-4, help="weight decay")
-    a("--warmup-epochs", type=float, default=0.0,
-      help="linear LR warmup (may be fractional), then cosine decay to 0; stepped per optimizer step")
-    a("--seed", type=int, default=0, help="seeds the model init, the synthetic data, the data order and the augmentation")
-    a("--workers", type=int, default=2, help="DataLoader worker processes for imagefolder (in-memory data needs none)")
+    a("--warmup-epochs", type=float, default=0.0, help="linear LR warmup (may be fractional), then cosine decay to 0")
+    a("--seed", type=int, default=0, help="seeds the model init, the synthetic data, the data order and augmentation")
+    a("--workers", type=int, default=2, help="DataLoader worker processes for files (in-memory data needs none)")
     a("--max-steps", type=int, help="stop after this many optimizer steps in all (quick runs, benchmarks)")
-    a("--grad-accum", type=int, default=1,
-      help="accumulate gradients over this many micro-batches of --batch-size per optimizer step")
+    a("--grad-accum", type=int, default=1, help="accumulate gradients of this many micro-batches per optimizer step")
     a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
+    a("--overwrite", action="store_true", help="start afresh in an --out-dir that holds a last.pt, replacing it")
     a("--save-every", type=int, help="also write last.pt every N optimizer steps, not only at epoch ends")
     a("--resume", help="checkpoint to continue from, or 'auto': the last.pt in --out-dir if there is one")
     a("--weights", help="initialize the model from this state_dict or checkpoint; tensors of other names or shapes "
       "(another head size or channel count) keep their fresh values. Optimizer and schedule start fresh")
-    a("--log-every", type=int, default=20,
-      help="update the progress bar (a host sync) and check for NaN/inf every N steps")
-    a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir (needs: pip install tensorboard)")
+    a("--log-every", type=int, default=20, help="update the progress bar and check for NaN/inf every N steps (a sync)")
+    a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir (pip install tensorboard)")
     a("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     a("--channels-last", action="store_true", help="channels_last memory format (faster convolutions on GPU)")
     a("--compile", action="store_true", help="torch.compile the model")
@@ -78,20 +105,29 @@ def get_parser(doc):
     return p
 
 
-def check_args(args):
-    """Catch bad input before anything is written; identical on every rank, so every rank stops together."""
+def validate(args):
+    """Every flag checked before anything is built, on every rank alike, so that every rank stops together. Pure:
+    it reads `args` (and whether this machine has CUDA and tensorboard), nothing else."""
     for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_steps", "save_every", "train_size",
-                 "val_size", "image_size"):
+                 "val_size", "nprocs"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name, low, high in (("lr", 0, math.inf), ("momentum", 0, 1), ("weight_decay", 0, math.inf),
+                            ("warmup_epochs", 0, math.inf)):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and low <= value < high):
+            within = f"at least {low}" if high == math.inf else f"at least {low} and below {high}"
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number {within}, got {value}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in 0 .. {2**32 - 1}, got {args.seed}")
+    if args.workers < 0:
+        raise UsageError(f"--workers must be 0 (load in the training process) or more, got {args.workers}")
+    if args.image_size is not None and args.image_size < 7:
+        raise UsageError(f"--image-size must be at least 7, got {args.image_size}")
     if not parse_shape(args.synthetic_shape):
         raise UsageError(f"--synthetic-shape must be CxHxW with positive integers and H, W at least 7, got "
                          f"{args.synthetic_shape!r}")
-    if args.lr < 0:
-        raise UsageError(f"--lr must not be negative, got {args.lr}")
-    if args.dataset not in ("synthetic", "mnist", "cifar10", "imagefolder"):
-        raise UsageError(f"unknown --dataset {args.dataset!r}: choose synthetic, mnist, cifar10 or imagefolder")
     if args.model != "cnn":
         import torchvision
         if args.model not in torchvision.models.list_models(module=torchvision.models):
@@ -105,6 +141,8 @@ def check_args(args):
     if args.freeze_backbone and not (args.pretrained or args.weights):
         raise UsageError("--freeze-backbone needs --pretrained or --weights: a randomly initialized backbone is not "
                          "worth freezing")
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite starts afresh and --resume continues: choose one")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -159,28 +197,31 @@ class InMemory(torch.utils.data.Dataset):
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """An ImageFolder decoded in DataLoader workers. Indexed by (epoch, index), so that its augmentation
-    draws from (seed, epoch, index) and not from a worker's RNG: results do not depend on --workers.
-    With `weights` (--pretrained), the weights' own preprocessing: validation exactly as theirs (resize, center crop,
-    their mean/std), training the augmentation of torchvision's recipes (random resized crop, flip, same mean/std)."""
+    """An ImageFolder decoded in DataLoader workers, keyed by (epoch, index): its random augmentation is seeded from
+    (seed, epoch, index), not from a worker's RNG, so results do not depend on --workers. Resized to `size`, with
+    random crop and flip for training; with `weights` (--pretrained), the weights' own preprocessing: validation
+    exactly as theirs, training with the augmentation of torchvision's recipes (random resized crop, flip)."""
 
     def __init__(self, root, size, augment, seed, weights=None):
         from torchvision import datasets, transforms as T
-        self.folder = datasets.ImageFolder(root)  # its loader converts every image to RGB, grayscale ones too
-        self.classes, self.seed = self.folder.classes, seed
+        self.folder, self.seed = datasets.ImageFolder(root), seed  # its loader makes every image RGB
+        self.classes = self.folder.classes
         if weights is None:
             size = size or 224
-            self.transform = T.Compose([T.Resize((size, size)), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-            self.crop_flip, self.random = augment, False  # augmented on the tensor, see crop_flip
-            return
-        preset = weights.transforms()  # resize, center crop, the weights' mean/std: how the weights were evaluated
-        if size:  # another crop size, the resize scaled with it
-            resize = round(size * preset.resize_size[0] / preset.crop_size[0])
-            preset = weights.transforms(crop_size=size, resize_size=resize)
-        self.transform, self.crop_flip, self.random = preset, False, augment
-        if augment:
-            self.transform = T.Compose([T.RandomResizedCrop(preset.crop_size, interpolation=preset.interpolation),
-                                        T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(preset.mean, preset.std)])
+            flips = [T.RandomCrop(size, padding=size // 8), T.RandomHorizontalFlip()] if augment else []
+            steps = [T.Resize((size, size))] + flips
+            mean, std = IMAGENET_MEAN, IMAGENET_STD
+        else:
+            preset = weights.transforms()  # resize, center crop, mean/std: how the weights were evaluated
+            if size:  # another crop size, the resize scaled with it
+                preset = weights.transforms(crop_size=size, resize_size=round(size * preset.resize_size[0] /
+                                                                              preset.crop_size[0]))
+            steps = [T.RandomResizedCrop(preset.crop_size, interpolation=preset.interpolation),
+                     T.RandomHorizontalFlip()]
+            mean, std = preset.mean, preset.std
+        self.transform = T.Compose(steps + [T.ToTensor(), T.Normalize(mean, std)])
+        if weights is not None and not augment:
+            self.transform = preset
 
     def __len__(self):
         return len(self.folder)
@@ -188,15 +229,13 @@ class ImageFiles(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, i = key
         path, label = self.folder.samples[i]
-        r = per_sample_random(self.seed, epoch, torch.tensor([i]))
-        if self.random:  # torchvision's random transforms draw from torch's CPU RNG: seeded for this sample, restored
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(int(r))  # (torch.manual_seed would reseed the GPUs' RNGs too)
-                return self.transform(self.folder.loader(path)), label
-        x = self.transform(self.folder.loader(path))[None]
-        if self.crop_flip:
-            x = crop_flip(x, r, pad=x.shape[-1] // 8)
-        return x[0], label
+        try:
+            image = self.folder.loader(path)
+        except (OSError, ValueError) as e:  # truncated, empty, not an image: name the file, among 100,000 others
+            raise BadFile(f"{path} is not a readable image ({type(e).__name__}: {e}): remove or replace it") from None
+        with torch.random.fork_rng(devices=[]):  # torchvision's random transforms draw from torch's CPU RNG
+            torch.default_generator.manual_seed(int(per_sample_random(self.seed, epoch, torch.tensor(i))))
+            return self.transform(image), label
 
 
 def per_sample_random(seed, epoch, idx):
@@ -255,15 +294,19 @@ def load_data(args, download=False):
                 sets.append(ImageFiles(root, args.image_size, split == "train", args.seed, weights))
             except (FileNotFoundError, OSError) as e:
                 raise UsageError(f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
-            sets[-1].folder.samples = sets[-1].folder.samples[:n]
+            samples = sets[-1].folder.samples
+            sets[-1].folder.samples = [samples[i] for i in subset([s[1] for s in samples], n, args.seed, split)]
         if sets[0].classes != sets[1].classes:
             raise UsageError(f"train/ and val/ in {args.data_dir} hold different classes: "
                              f"{sets[0].classes} vs {sets[1].classes}")
+        if download and args.image_size is None and not weights:  # said once, by the process that downloads
+            print("imagefolder: images resized to 224x224; small images train much faster at about their own size: "
+                  "--image-size", flush=True)
         return tuple(sets)
     from torchvision import datasets
     cls, mean, std = {"mnist": (datasets.MNIST, [0.1307], [0.3081]),
                       "cifar10": (datasets.CIFAR10, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])}[d]
-    if weights:  # the mean/std the pretrained model was trained with (at this data's own resolution: see the README)
+    if weights:  # the mean/std the pretrained model was trained with (at this data's own resolution: docs/usage.md)
         mean, std = weights.transforms().mean, weights.transforms().std
     out = []
     for train, n in ((True, args.train_size), (False, args.val_size)):
@@ -273,12 +316,35 @@ def load_data(args, download=False):
             where = os.path.join(args.data_dir, *(("MNIST", "raw") if d == "mnist" else ("cifar-10-batches-py",)))
             raise UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put "
                              f"its files in {where}, or use --dataset synthetic, which needs no download") from None
-        x = torch.as_tensor(ds.data[:n]).float().div(255)
+        keep = subset(torch.as_tensor(ds.targets).tolist(), n, args.seed, "train" if train else "val")
+        x = torch.as_tensor(ds.data[keep]).float().div(255)
         x = to_rgb(x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2))  # MNIST: N,H,W; CIFAR: N,H,W,C
         x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-        out.append(InMemory(x.contiguous(), torch.as_tensor(ds.targets)[:n], augment=train and d == "cifar10",
+        out.append(InMemory(x.contiguous(), torch.as_tensor(ds.targets)[keep], augment=train and d == "cifar10",
                             seed=args.seed))
     return tuple(out)
+
+
+def subset(labels, n, seed, split):
+    """Indices of a class-stratified subset of n samples (all without n), drawn with `seed`: the same on every rank
+    and every run. Each class gets its proportional share, rounded by largest remainder; none may get 0."""
+    if n is None or n >= len(labels):
+        return list(range(len(labels)))
+    by_class = {}
+    for i, label in enumerate(labels):
+        by_class.setdefault(label, []).append(i)
+    exact = {c: n * len(idx) / len(labels) for c, idx in by_class.items()}
+    share = {c: int(q) for c, q in exact.items()}
+    for c in sorted(exact, key=lambda c: share[c] - exact[c])[:n - sum(share.values())]:  # largest remainders
+        share[c] += 1
+    if min(share.values()) == 0:
+        needed = math.ceil(len(labels) / min(map(len, by_class.values())))
+        raise UsageError(f"--{split}-size {n} leaves a class without any {split} sample ({len(by_class)} classes, "
+                         f"the smallest {min(map(len, by_class.values()))} of {len(labels)}): take at least {needed}")
+    g, keep = torch.Generator().manual_seed(seed), []
+    for c, idx in by_class.items():
+        keep += [idx[j] for j in torch.randperm(len(idx), generator=g)[:share[c]].tolist()]
+    return sorted(keep)
 
 
 def channels_and_classes(ds):
@@ -289,7 +355,10 @@ def channels_and_classes(ds):
     classes = getattr(ds, "classes", None)
     if classes is None:
         classes = 1 + max(int(y) for _, y in (ds[i] for i in range(len(ds))))
-    return x.shape[1], classes if isinstance(classes, int) else len(classes)
+    classes = classes if isinstance(classes, int) else len(classes)
+    if classes < 2:
+        raise UsageError(f"the data holds {classes} class: a classifier needs at least 2")
+    return x.shape[1], classes
 
 
 class Batches(BatchSampler):
@@ -391,7 +460,8 @@ def load_pretrained(model, name, channels, classes):
     head = head_names(name, channels, classes)
     for path in sorted({n.rsplit(".", 1)[0] for n in head}):
         pretrained.set_submodule(path, model.get_submodule(path))
-    return pretrained, f"{weights}: every tensor loaded but the new head for {classes} classes ({', '.join(sorted(head))})"
+    head = ", ".join(sorted(head))
+    return pretrained, f"{weights}: every tensor loaded but the new head for {classes} classes ({head})"
 
 
 @functools.lru_cache
@@ -476,59 +546,104 @@ def make_optimizer(args, model, steps_per_epoch):
 
 # ---- checkpoint files: written atomically, read on the CPU, checked before use
 def save_atomic(obj, path):
-    """Write to a temporary file in the same folder, fsync, then rename over `path`:
-    a process killed mid-save leaves the previous file intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write to a temporary file in the same folder, fsync, then rename over `path`: a process killed mid-save leaves
+    the previous file intact. A SIGTERM or Ctrl-C that comes meanwhile takes effect once the file is in place (it
+    would otherwise break into torch.save, whose writer then fails with an error that hides the signal)."""
+    tmp, received = f"{path}.tmp{os.getpid()}", []
+    handlers = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # interrupted (SIGTERM, Ctrl-C, full disk): leave no partial file behind
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
+    except BaseException:  # a full disk: leave no partial file behind
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
     finally:
-        os.close(fd)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    if received:
+        signal.raise_signal(received[0])
 
 
 def read_checkpoint(path):
-    """(the file's contents, its model state_dict): a checkpoint of this collection, or a bare state_dict."""
+    """(the file's contents, its model state_dict): a checkpoint of this collection or another tool's (a
+    `state_dict` entry), or a bare state_dict."""
     if not os.path.isfile(path):
         raise UsageError(f"no such checkpoint: {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)  # CPU: no memory on GPU 0; weights_only: no code
-    except Exception as e:
-        why = (str(e).splitlines() or [""])[0][:120]
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}: {why})") from None
-    state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
-    if not isinstance(state, dict):
-        raise UsageError(f"{path} holds no state_dict")
+    except Exception as e:  # empty, truncated, not a torch file; or objects that weights_only refuses to build
+        if isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
+            raise UsageError(f"{path} holds Python objects, not only tensors (a whole pickled model?): save and give "
+                             "model.state_dict() instead") from None
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): a truncated or empty file? "
+                         "Give another one, or delete it to start afresh") from None
+    state = ckpt.get("model", ckpt.get("state_dict", ckpt)) if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
+        raise UsageError(f"{path} holds no state_dict (no 'model' or 'state_dict' entry of tensors)")
     return ckpt, state
 
 
-def find_checkpoint(resume, out_dir, model, freeze_backbone):
-    """The checkpoint --resume names, read and checked against `model` (names and shapes exactly), or None for a
-    fresh start."""
+def find_checkpoint(resume, out_dir, model, freeze_backbone, global_batch):
+    """The checkpoint --resume names, read and checked against this run (the model's names and shapes exactly, the
+    same global batch), or None for a fresh start."""
     if not resume:
         return None
     path = os.path.join(out_dir, "last.pt") if resume == "auto" else resume
     if resume == "auto" and not os.path.exists(path):
         return None
     ckpt, state = read_checkpoint(path)
-    shapes = {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}
-    if shapes != {k: tuple(v.shape) for k, v in model.state_dict().items()}:
-        raise UsageError(f"{path} does not hold weights of this --model (names or shapes differ)")
+    own = model.state_dict()
+    for k in own:
+        if k not in state or tuple(state[k].shape) != tuple(own[k].shape):
+            there = tuple(state[k].shape) if k in state else "missing"
+            raise UsageError(f"{path} does not hold this model: {k} is {there} there, {tuple(own[k].shape)} here "
+                             f"(another --model, or other classes or channels?)")
+    if set(state) != set(own):
+        raise UsageError(f"{path} does not hold this model: it has tensors this --model lacks, e.g. "
+                         f"{sorted(set(state) - set(own))[0]}")
     if "optimizer" not in ckpt:
         raise UsageError(f"{path} holds weights only, not a training state to resume: use --weights {path}")
-    if ckpt.get("args", {}).get("freeze_backbone", False) != freeze_backbone:  # its optimizer holds other parameters
+    a = ckpt.get("args", {})
+    if a.get("freeze_backbone", False) != freeze_backbone:  # its optimizer holds other parameters
         raise UsageError(f"{path} was trained {'with' if not freeze_backbone else 'without'} --freeze-backbone: "
                          "resume it the same way")
+    saved = ckpt.get("global_batch") or a["batch_size"] * a.get("grad_accum", 1) * ckpt["world_size"]  # format 1
+    if saved != global_batch:
+        raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {global_batch}: its "
+                         f"schedule and position count batches of {saved}; keep --batch-size x processes x "
+                         f"--grad-accum = {saved}")
     return ckpt
+
+
+def claim_out_dir(out_dir, args):
+    """Rank 0, before training: the output folder exists and is writable, holds no last.pt that this run would
+    replace unasked, and no other live run writes into it. Returns the folder, open and locked (flock) until this
+    process ends: the kernel releases it even after SIGKILL (NFS and Lustre may not honour it)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(out_dir, os.O_RDONLY)
+    except OSError as e:  # a file of that name, no permission
+        raise UsageError(f"--out-dir {out_dir}: {e.strerror}: give a folder this user can write to") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UsageError(f"--out-dir {out_dir} is not writable: give a folder this user can write to")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"--out-dir {out_dir} is in use by another run that is still going: wait for it to end, "
+                         "or give another --out-dir") from None
+    if os.path.exists(os.path.join(out_dir, "last.pt")) and not (args.resume or args.overwrite):
+        raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
+                         "starts afresh and replaces it, or give another --out-dir")
+    return fd
 
 
 # ---- progress and metrics: the step counters a checkpoint keeps, rank 0's metrics.jsonl and summary lines
@@ -536,22 +651,20 @@ NEVER = 2**62  # "no step yet" for the first NaN/inf step
 
 
 class Progress:
-    """Where training stands, as a checkpoint saves it (epoch, step_in_epoch, the loss sum of the epoch so far), and
-    what each step adds to it. The loss sum and the first step whose loss was NaN/inf stay on the device: a step
-    needs no host sync until the script looks, every --log-every steps."""
+    """Where training stands, as a checkpoint keeps it (epoch, step_in_epoch, the epoch's loss sum so far), and what
+    each step adds. The loss sum and the first NaN/inf step stay on the device: no host sync until the script looks."""
 
     def __init__(self, steps_per_epoch, global_batch, max_steps, device, saved=None):
         saved = saved or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
-        self.epoch, self.step_in_epoch, self.saved_loss_sum = saved["epoch"], saved["step_in_epoch"], saved["loss_sum"]
-        self.steps_per_epoch, self.global_batch, self.max_steps, self.device = (steps_per_epoch, global_batch,
-                                                                               max_steps, device)
-        self.step = self.epoch * steps_per_epoch + self.step_in_epoch
-        self.first_bad = torch.full((), NEVER, device=device)
-        self.first_step_time = None
+        self.epoch, self.saved_loss_sum = saved["epoch"], saved["loss_sum"]
+        self.step_in_epoch = saved.get("samples_in_epoch", saved["step_in_epoch"] * global_batch) // global_batch
+        self.steps_per_epoch, self.global_batch, self.max_steps = steps_per_epoch, global_batch, max_steps
+        self.step, self.device = self.epoch * steps_per_epoch + self.step_in_epoch, device
+        self.first_bad, self.first_step_time = torch.full((), NEVER, device=device), None
 
     def start_epoch(self, epoch):
-        """A resumed epoch keeps its step count and the loss sum of its saved part (the same on every rank, so the
-        mean over ranks stays right); any other starts from 0."""
+        """A resumed epoch keeps its steps and the loss sum of its saved part (the same on every rank, so the mean
+        over the ranks stays right); another starts from 0."""
         if epoch != self.epoch:
             self.epoch, self.step_in_epoch = epoch, 0
         carried = self.saved_loss_sum if self.step_in_epoch else 0.0
@@ -559,45 +672,46 @@ class Progress:
         self.t0 = self.train_time = None
 
     def step_done(self, loss):
-        """Count one optimizer step and its loss (a 0-dim tensor on the device)."""
+        """One optimizer step done, with this loss (0-dim, on the device)."""
         self.first_bad = torch.where(~torch.isfinite(loss) & (self.first_bad == NEVER), self.step, self.first_bad)
         self.loss_sum += loss
-        self.last_loss = loss
-        self.step, self.step_in_epoch = self.step + 1, self.step_in_epoch + 1
+        self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
         if self.t0 is None:  # time the steady state: from the end of the epoch's first step on
-            self.t0, self.t0_step = self.sync_time(), self.step
+            self.t0, self.t0_step = synced_time(self.device), self.step
             self.first_step_time = self.first_step_time or self.t0
-
-    def sync_time(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the GPU's queued work is part of the time
-        return time.time()
 
     @property
     def epoch_done(self):
-        return self.step_in_epoch == self.steps_per_epoch or self.step == self.max_steps
+        return self.step_in_epoch == self.steps_per_epoch or self.step >= (self.max_steps or math.inf)
 
     def due(self, every):
-        """Whether this step is one of every `every` (None: never)."""
         return every is not None and self.step % every == 0
+
+    def end_epoch(self):
+        self.train_time = synced_time(self.device) - self.t0 if self.t0 else 0.0
 
     def samples_per_s(self):
         elapsed = self.train_time if self.train_time is not None else time.time() - self.t0
         return (self.step - self.t0_step) * self.global_batch / max(elapsed, 1e-9) if self.t0 else 0.0
 
-    def end_epoch(self):
-        self.train_time = self.sync_time() - self.t0 if self.t0 else 0.0
-
     def state(self, loss_sum):
-        """What a checkpoint keeps of it; `loss_sum`: the epoch's loss sum so far, averaged over the ranks."""
-        if self.step_in_epoch == self.steps_per_epoch:  # a finished epoch: the next one starts from its beginning
-            return {"epoch": self.epoch + 1, "step_in_epoch": 0, "loss_sum": 0.0}
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "loss_sum": loss_sum}
+        """What a checkpoint keeps; `loss_sum`: the epoch's loss sum so far, averaged over the ranks. The position
+        in the epoch is in samples; format 1 (without `format`) had steps only."""
+        epoch, steps = (self.epoch + 1, 0) if self.step_in_epoch == self.steps_per_epoch else (self.epoch,
+                                                                                              self.step_in_epoch)
+        return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.global_batch,
+                "loss_sum": loss_sum if steps else 0.0, "global_batch": self.global_batch}
+
+
+def synced_time(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the GPU's queued work is part of the time
+    return time.time()
 
 
 def start_output(out_dir, progress, tensorboard):
-    """Rank 0's output folder: metrics.jsonl keeps the rows of the epochs the checkpoint covers (none on a fresh
-    start); returns a TensorBoard writer, or None."""
+    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers (none on a fresh start); returns a
+    TensorBoard writer or None."""
     os.makedirs(out_dir, exist_ok=True)
     path, rows = os.path.join(out_dir, "metrics.jsonl"), []
     if os.path.exists(path):
@@ -610,20 +724,50 @@ def start_output(out_dir, progress, tensorboard):
 
 
 def log_epoch(out_dir, writer, progress, row):
-    """Rank 0: one JSON line per epoch in metrics.jsonl (the epoch fractional if --max-steps ended it early), the
+    """Rank 0: the epoch's JSON line in metrics.jsonl (its number fractional if --max-steps ended it early), the
     TensorBoard scalars, and the summary line."""
     finished = progress.step_in_epoch == progress.steps_per_epoch
     row = {"epoch": progress.epoch + (1 if finished else progress.step_in_epoch / progress.steps_per_epoch),
-           "step": progress.step, **row, "samples_per_s": progress.samples_per_s(), "epoch_time_s": progress.train_time,
-           "first_step_time": progress.first_step_time}
+           "step": progress.step, **row, "samples_per_s": progress.samples_per_s(),
+           "epoch_time_s": progress.train_time, "first_step_time": progress.first_step_time}
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if writer:
         for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s"):
             writer.add_scalar(k, row[k], progress.step)
         writer.flush()  # each epoch visible now, and nothing lost at exit
-    print(f"epoch {progress.epoch + 1}  train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f}  val_acc "
-          f"{row['val_acc']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  {progress.train_time:.1f}s")
+    where = "" if finished else f" (stopped at step {progress.step_in_epoch} of {progress.steps_per_epoch})"
+    print(f"epoch {progress.epoch + 1}{where}  train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f}  "
+          f"val_acc {row['val_acc']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s  "
+          f"{progress.train_time:.1f}s", flush=True)
+
+
+def progress_bar(progress, master):
+    """Rank 0's progress: a tqdm bar on a terminal; in a log file (a SLURM job, a redirect) a plain line at each
+    quarter of the epoch instead of the bar's refreshes, so that every line of the log is whole."""
+    if master and sys.stdout.isatty():
+        return tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
+                    leave=False, file=sys.stdout)
+    return PlainBar(progress, master)
+
+
+class PlainBar:
+    def __init__(self, progress, master):
+        self.progress, self.master = progress, master
+        self.shown = progress.step_in_epoch * 4 // progress.steps_per_epoch
+
+    def update(self):
+        pass
+
+    def set_postfix(self, **values):
+        quarter = self.progress.step_in_epoch * 4 // self.progress.steps_per_epoch
+        if self.master and quarter > self.shown and quarter < 4:
+            self.shown = quarter
+            print(f"epoch {self.progress.epoch + 1}: step {self.progress.step_in_epoch} of "
+                  f"{self.progress.steps_per_epoch}  " + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
+
+    def close(self):
+        pass
 
 
 def peak_memory_mb(device):

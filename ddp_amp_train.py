@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import math
 import os
 import re
 import signal
@@ -26,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
 import common
 
@@ -124,10 +124,11 @@ def build_model(args, train_set, device, memory_format, rank, local_rank):
     return raw_model, model
 
 
-def resume(args, raw_model, optimizer, scheduler, scaler, out_dir, rank):
+def resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch, rank):
     """Rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed). Returns the
     progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone), rank)
+    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone,
+                                                          global_batch), rank)
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     if meta[0]:
@@ -164,8 +165,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, autocast, scaler, progr
     loss over its steps and the ranks."""
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
     loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
-    bar = tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, disable=dist.get_rank() != 0,
-               desc=f"epoch {progress.epoch + 1}", leave=False, file=sys.stdout)
+    bar = common.progress_bar(progress, dist.get_rank() == 0)  # rank 0's: a tqdm bar, or plain lines in a log file
     for x, y in loader:
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
         progress.step_done(train_step(model, x, y, optimizer, scheduler, autocast, scaler, args))  # [amp]
@@ -227,7 +227,7 @@ def save(out_dir, raw_model, optimizer, scheduler, scaler, progress, args):
 
 
 def main(args):
-    common.check_args(args)
+    common.validate(args)
     rank, world_size, local_rank, device = setup_distributed(args)
     master = rank == 0  # only rank 0 prints and writes files
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
@@ -238,10 +238,16 @@ def main(args):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]  # [amp]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=args.precision != "fp32")  # [amp]
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # [amp] only fp16 needs loss scaling
-    saved = resume(args, raw_model, optimizer, scheduler, scaler, out_dir, rank)  # [amp]
     global_batch = args.batch_size * args.grad_accum * world_size
+    # rank 0 claims --out-dir (no other live run, no last.pt replaced unasked), held until this process ends
+    out_lock = common.on_rank0(lambda: common.claim_out_dir(out_dir, args), rank)  # noqa: F841
+    saved = resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch, rank)  # [amp]
     progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
     checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, scaler, progress, args)  # [amp]
+    if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
+        if master:
+            print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
+        return
     writer = common.start_output(out_dir, progress, args.tensorboard) if master else None
     if master:
         print(f"ddp {args.precision}: {world_size} processes, backend {dist.get_backend()}, "  # [amp]
@@ -286,7 +292,7 @@ if __name__ == "__main__":
     try:
         main(args)
     except (common.UsageError, common.NonFinite) as e:
-        if launcher_env()[0] == 0:  # every rank raises the same error; one line, once
+        if launcher_env()[0] == 0 or isinstance(e, common.BadFile):  # every rank raises the others: once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, common.UsageError) else 1)
     finally:

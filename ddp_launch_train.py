@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import math
 import os
 import re
 import signal
@@ -25,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
 import common
 
@@ -121,10 +121,11 @@ def build_model(args, train_set, device, memory_format, rank, local_rank):
     return raw_model, model
 
 
-def resume(args, raw_model, optimizer, scheduler, out_dir, rank):
+def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank):
     """Rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed). Returns the
     progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone), rank)
+    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone,
+                                                          global_batch), rank)
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     if meta[0]:
@@ -156,8 +157,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device,
     loss over its steps and the ranks."""
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
     loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
-    bar = tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, disable=dist.get_rank() != 0,
-               desc=f"epoch {progress.epoch + 1}", leave=False, file=sys.stdout)
+    bar = common.progress_bar(progress, dist.get_rank() == 0)  # rank 0's: a tqdm bar, or plain lines in a log file
     for x, y in loader:
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
         progress.step_done(train_step(model, x, y, optimizer, scheduler, args))
@@ -218,7 +218,7 @@ def save(out_dir, raw_model, optimizer, scheduler, progress, args):
 
 
 def main(args):
-    common.check_args(args)
+    common.validate(args)
     rank, world_size, local_rank, device = setup_distributed(args)
     master = rank == 0  # only rank 0 prints and writes files
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
@@ -226,10 +226,16 @@ def main(args):
     train_set, sampler, train_loader, val_loader = build_data(args, rank, world_size, device)
     raw_model, model = build_model(args, train_set, device, memory_format, rank, local_rank)
     optimizer, scheduler = common.make_optimizer(args, raw_model, len(train_loader))
-    saved = resume(args, raw_model, optimizer, scheduler, out_dir, rank)
     global_batch = args.batch_size * args.grad_accum * world_size
+    # rank 0 claims --out-dir (no other live run, no last.pt replaced unasked), held until this process ends
+    out_lock = common.on_rank0(lambda: common.claim_out_dir(out_dir, args), rank)  # noqa: F841
+    saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank)
     progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
     checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args)
+    if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
+        if master:
+            print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
+        return
     writer = common.start_output(out_dir, progress, args.tensorboard) if master else None
     if master:
         print(f"ddp: {world_size} processes, backend {dist.get_backend()}, "
@@ -270,7 +276,7 @@ if __name__ == "__main__":
     try:
         main(args)
     except (common.UsageError, common.NonFinite) as e:
-        if launcher_env()[0] == 0:  # every rank raises the same error; one line, once
+        if launcher_env()[0] == 0 or isinstance(e, common.BadFile):  # every rank raises the others: once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, common.UsageError) else 1)
     finally:

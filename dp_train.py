@@ -11,7 +11,9 @@ gathered, not every output; --gather-outputs shows the classic way. Prefer DDP (
 With no GPU or one, DataParallel simply calls the module: the scatter and gather need two or more GPUs.
 """
 import functools
+import math
 import os
+import signal
 import sys
 import time
 
@@ -21,7 +23,6 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
 import common
 
@@ -43,6 +44,9 @@ class ModelWithLoss(nn.Module):
 def setup_devices(args):
     """The GPUs this one process drives (none on a CPU machine) and the device its parameters live on: GPU numbers
     count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means physical GPUs 2 and 3."""
+    if common.launched_as_one_of_several():
+        raise common.UsageError(f"dp_train.py is one process that drives every GPU: start it with python, not "
+                                f"{common.launched_as_one_of_several()} (one process per GPU: ddp_launch_train.py)")
     use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     visible = torch.cuda.device_count() if use_cuda else 0
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -114,10 +118,10 @@ def build_model(args, train_set, device, memory_format, gpus):  # [dp]
     return raw_model, model, forward
 
 
-def resume(args, raw_model, optimizer, scheduler, out_dir):  # [dp]
+def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch):  # [dp]
     """A checkpoint of any script of this collection, written with any number of processes. Returns the progress it
     saved, or None for a fresh start."""
-    ckpt = common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone)
+    ckpt = common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone, global_batch)
     if ckpt:
         options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
         set_model_state_dict(raw_model, ckpt["model"], options=options)
@@ -145,8 +149,7 @@ def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args
     loss over its steps and the ranks."""
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
     loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
-    bar = tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch,  # [dp] one process: always shown
-               desc=f"epoch {progress.epoch + 1}", leave=False, file=sys.stdout)
+    bar = common.progress_bar(progress, True)  # [dp] one process: it shows its progress
     for x, y in loader:
         x = x.contiguous(memory_format=memory_format)  # [dp] DataParallel scatters the batch to the GPUs itself
         progress.step_done(train_step(forward, x, y, optimizer, scheduler, args))  # [dp]
@@ -199,7 +202,7 @@ def save(out_dir, raw_model, optimizer, scheduler, progress, args):
 
 
 def main(args):
-    common.check_args(args)
+    common.validate(args)
     gpus, device = setup_devices(args)  # [dp]
     world_size, master = 1, True  # [dp] one process: DataParallel's GPUs are not ranks
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
@@ -207,10 +210,16 @@ def main(args):
     train_set, sampler, train_loader, val_loader = build_data(args, gpus, device)  # [dp]
     raw_model, model, forward = build_model(args, train_set, device, memory_format, gpus)  # [dp]
     optimizer, scheduler = common.make_optimizer(args, raw_model, len(train_loader))
-    saved = resume(args, raw_model, optimizer, scheduler, out_dir)  # [dp]
     global_batch = args.batch_size * args.grad_accum * max(1, len(gpus))  # [dp]
+    # one process claims --out-dir (no other live run, no last.pt replaced unasked), held until it ends
+    out_lock = common.claim_out_dir(out_dir, args)  # noqa: F841  [dp]
+    saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch)  # [dp]
     progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
     checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args)
+    if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
+        if master:
+            print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
+        return
     writer = common.start_output(out_dir, progress, args.tensorboard) if master else None
     if master:
         where = f"GPUs {gpus}" if gpus else "no GPU, training on the CPU (DataParallel simply calls the model)"  # [dp]
@@ -246,8 +255,11 @@ if __name__ == "__main__":  # [dp] one process: no launcher, no process group
                         help="the classic way: gather all outputs on one GPU and compute the loss there (more memory "
                         "on it)")
     args = parser.parse_args()
+    # SIGTERM (SLURM preemption, kill): unwind like Ctrl-C, through `finally` (a save in progress completes first)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         main(args)
     except (common.UsageError, common.NonFinite) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if common.launcher_rank() == 0:  # started by mistake as several copies: one line, once
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, common.UsageError) else 1)

@@ -96,13 +96,15 @@ def sync(device):
 def configs(a, threads):
     """(name, world_size, command, OMP_NUM_THREADS) of every row, the bare loop first."""
     py, B, cuda = sys.executable, a.batch_size, a.device == "cuda"
-    flags = ["--device", a.device, "--model", a.model] + ["--channels-last"] * a.channels_last + ["--compile"] * a.compile
+    flags = (["--device", a.device, "--model", a.model] + ["--channels-last"] * a.channels_last
+             + ["--compile"] * a.compile)
     data = ["--dataset", "synthetic", "--epochs", "1", "--max-steps", str(a.steps), "--train-size", str(a.steps * B),
             "--val-size", str(a.steps * B)] + (["--synthetic-shape", a.shape] if a.shape != DEFAULT_SHAPE else [])
     script = lambda name: os.path.join(ROOT, name)  # noqa: E731
     one = data + flags + ["--batch-size", str(B)]
-    rows = [("bare", 1, [py, os.path.abspath(__file__), "--bare-worker", "--batch-size", str(B), "--steps", str(a.steps),
-                         "--precision", a.precision, "--shape", a.shape] + flags, threads)]
+    bare = [py, os.path.abspath(__file__), "--bare-worker", "--batch-size", str(B), "--steps", str(a.steps),
+            "--precision", a.precision, "--shape", a.shape]
+    rows = [("bare", 1, bare + flags, threads)]
     if a.precision == "fp32":  # these three have no --precision: they train in fp32 only
         rows += [("dp_train.py", 1, [py, script("dp_train.py")] + one + ["--gpus", "0"] * cuda, threads),
                  ("ddp_launch_train.py", 1, [py, script("ddp_launch_train.py")] + one, threads),
@@ -115,8 +117,8 @@ def configs(a, threads):
             rows.append(("ddp_spawn_train.py", 2, [py, script("ddp_spawn_train.py"), "--nprocs", "2"] + two, half))
             rows.append(("torchrun ddp_launch_train.py", 2, torchrun + [script("ddp_launch_train.py")] + two, half))
         else:
-            rows.append(("torchrun ddp_amp_train.py", 2, torchrun + [script("ddp_amp_train.py"), "--precision", a.precision]
-                         + two, half))
+            amp = [script("ddp_amp_train.py"), "--precision", a.precision]
+            rows.append(("torchrun ddp_amp_train.py", 2, torchrun + amp + two, half))
     return rows
 
 
@@ -126,8 +128,9 @@ def run(cmd, threads, timeout):
     env["OMP_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as out:
         launched = time.time()
-        p = subprocess.Popen(cmd + ["--out-dir", out], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)  # its own group: a timeout ends its children too
+        p = subprocess.Popen(cmd + ["--out-dir", out], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # its own group: a timeout ends its children too
         try:
             _, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -164,11 +167,12 @@ def main(a):
               "samples_per_s_runs": [x["samples_per_s"] for x in rs]} for (name, ws), rs in runs.items()]
     print(f"\n{a.model} {a.shape} {a.precision}, global batch {a.batch_size}, {a.steps} steps, "
           f"median of {a.repeats}, {threads} CPU threads per 1-process run")
-    print(f"{'name':30} {'device':6} {'world':>5} {'samples/s':>10} {'ratio':>6} {'start-up s':>10} {'eval s':>7} {'peak MB':>8}")
+    print(f"{'name':30} {'device':6} {'world':>5} {'samples/s':>10} {'ratio':>6} {'start-up s':>10} {'eval s':>7} "
+          f"{'peak MB':>8}")
     for t in table:
         ev = "-" if t["eval_s"] is None else f"{t['eval_s']:.2f}"
-        print(f"{t['name']:30} {t['device']:6} {t['world_size']:5d} {t['samples_per_s']:10.1f} {t['ratio_to_bare']:6.2f} "
-              f"{t['startup_s']:10.2f} {ev:>7} {t['peak_mem_mb']:8.0f}")
+        print(f"{t['name']:30} {t['device']:6} {t['world_size']:5d} {t['samples_per_s']:10.1f} "
+              f"{t['ratio_to_bare']:6.2f} {t['startup_s']:10.2f} {ev:>7} {t['peak_mem_mb']:8.0f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(table, f, indent=1)

@@ -111,7 +111,8 @@ class Cluster:
         self.write_config()
         self._daemon("munged", [which("munged"), "--foreground", "--force", f"--key-file={self.path('munge.key')}",
                                 f"--socket={self.path('munge.sock')}", f"--pid-file={self.path('munged.pid')}",
-                                f"--log-file={self.path('log', 'munged.log')}", f"--seed-file={self.path('munged.seed')}"])
+                                f"--log-file={self.path('log', 'munged.log')}",
+                                f"--seed-file={self.path('munged.seed')}"])
         self._wait(lambda: os.path.exists(self.path("munge.sock")), timeout, "munged did not create its socket")
         self._daemon("slurmctld", [which("slurmctld"), "-D"])
         self._daemon("slurmd", [which("slurmd"), "-D", "-N", self.node])

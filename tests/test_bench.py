@@ -17,13 +17,15 @@ ROWS = {("bare", 1), ("dp_train.py", 1), ("ddp_launch_train.py", 1), ("ddp_spawn
 
 def bench(*args, timeout=900):
     # small runs: one thread each (clean_env), no oversubscription in the 2-process rows
-    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
-    p = bench("--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240", "--json", str(out))
+    p = bench("--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240",
+              "--json", str(out))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads(out.read_text())
     assert {(r["name"], r["world_size"]) for r in rows} == ROWS and len(rows) == len(ROWS)

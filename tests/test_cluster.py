@@ -312,6 +312,7 @@ def test_plain_python_in_an_sbatch_script_is_one_process(slurm_cluster, tmp_path
     assert [(r["epoch"], r["world_size"]) for r in metrics(out)] == [(1, 1)]
 
 
+@pytest.mark.slow
 def test_the_example_sbatch_script_trains_on_the_cluster(slurm_cluster, reference, tmp_path):
     out = tmp_path / "run"
     # one node with 2 CPUs: override the script's nodes, tasks and CPUs (and its output file) on the command line

@@ -37,10 +37,10 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "imagefolder_empty": (["--dataset", "imagefolder", "--data-dir", "{d}/empty"], "imagefolder"),
     "imagefolder_classes": (["--dataset", "imagefolder", "--data-dir", "{d}/mismatch"], "different classes"),
     "unknown_model": (["--model", "resnet9000"], "unknown --model"),
-    "unknown_dataset": (["--dataset", "imagenet22k"], "unknown --dataset"),
+    "unknown_dataset": (["--dataset", "imagenet22k"], "--dataset: invalid choice"),
     "truncated_resume": (["--resume", "{d}/truncated.pt"], "not a readable checkpoint"),
     "not_a_checkpoint": (["--resume", "{d}/notackpt.pt"], "not a readable checkpoint"),
-    "other_architecture": (["--resume", "{d}/other_arch.pt"], "does not hold weights of this --model"),
+    "other_architecture": (["--resume", "{d}/other_arch.pt"], "does not hold this model"),
     "other_architecture_weights": (["--weights", "{d}/other_arch.pt"], "holds no tensor of this --model's names"),
     # no network (a proxy that refuses): one line naming the file and the folder to put it in
     "pretrained_offline": (["--model", "resnet18", "--pretrained"], "resnet18-f37072fd.pth (from https://download."

@@ -85,7 +85,8 @@ def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_process
     # only the head learned: every other tensor, BatchNorm running statistics included, is the cached one bit for bit
     assert ckpt["model"].keys() == cached.keys()
     assert [k for k in cached if k not in head and not torch.equal(ckpt["model"][k], cached[k])] == []
-    assert ckpt["model"]["fc.weight"].shape == (3, 512) and ckpt["model"]["fc.bias"].shape == (3,)  # the folder's classes
+    # the folder's classes
+    assert ckpt["model"]["fc.weight"].shape == (3, 512) and ckpt["model"]["fc.bias"].shape == (3,)
     init = fresh_model("resnet18", 3, 3)
     assert (ckpt["model"]["fc.weight"] - init["fc.weight"]).abs().max() > 1e-3  # the head did train
     assert sorted(ckpt["optimizer"]["param_groups"][0]["params"]) == sorted(head)  # the optimizer holds the head only
@@ -131,11 +132,11 @@ def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, t
     theirs = common.make_model("cnn", 1, 10).state_dict()
     torch.save({f"module.{k}": v for k, v in theirs.items()}, tmp_path / "theirs.pt")
     out = tmp_path / "out"
-    p = run("dp_train.py", "--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 0, "--batch-size", 8,
-            "--epochs", 1, "--lr", 0, "--weights", tmp_path / "theirs.pt", "--out-dir", out)
+    p = run("dp_train.py", "--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 0,
+            "--batch-size", 8, "--epochs", 1, "--lr", 0, "--weights", tmp_path / "theirs.pt", "--out-dir", out)
     note = one_line_with(p.stdout, "theirs.pt: loaded")
-    assert "loaded 5 of the model's 8 tensors; kept fresh (another shape, or not in the file): conv1.weight, fc2.weight, " \
-           "fc2.bias" in note
+    assert ("loaded 5 of the model's 8 tensors; kept fresh (another shape, or not in the file): conv1.weight, "
+            "fc2.weight, fc2.bias") in note
     state, fresh = checkpoint(str(out))["model"], fresh_model("cnn", 3, 3)
     for k in state:
         expected = fresh[k] if k in ("conv1.weight", "fc2.weight", "fc2.bias") else theirs[k]
@@ -148,7 +149,7 @@ def test_fine_tuning_flags_that_cannot_work_are_one_line_errors():
                           ({"model": "resnet18", "pretrained": True, "weights": "x.pt"}, "choose one"),
                           ({"freeze_backbone": True}, "--freeze-backbone needs --pretrained or --weights")):
         with pytest.raises(common.UsageError, match=words):
-            common.check_args(types.SimpleNamespace(**{**vars(args), **change}))
+            common.validate(types.SimpleNamespace(**{**vars(args), **change}))
 
 
 def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):

@@ -48,6 +48,9 @@ def test_learns_and_logs_once(script_run, name):
     assert sum(line.startswith(HEADER[name]) for line in proc.stdout.splitlines()) == 1, proc.stdout
     assert len(summary_lines(proc.stdout)) == 2, proc.stdout
     assert "Traceback" not in proc.stderr
+    # output to a file (as here, and in a SLURM log): whole lines, no progress bar refreshes
+    assert "\r" not in proc.stdout
+    assert all(line.startswith("epoch ") for line in proc.stdout.splitlines() if "train_loss" in line), proc.stdout
 
 
 @pytest.mark.slow
@@ -115,7 +118,8 @@ def test_mnist_files(tmp_path):
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", x, 2051)
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", y.to(torch.uint8), 2049)
     out = tmp_path / "out"
-    run("dp_train.py", "--dataset", "mnist", "--data-dir", tmp_path, "--epochs", 2, "--val-size", 150, "--batch-size", 16,
+    run("dp_train.py", "--dataset", "mnist", "--data-dir", tmp_path, "--epochs", 2, "--val-size", 150,
+        "--batch-size", 16,
         "--out-dir", out)
     rows = metrics(str(out))
     assert rows[-1]["val_count"] == 150  # --val-size takes a subset of the real set
