@@ -670,6 +670,19 @@ class Progress:
         carried = self.saved_loss_sum if self.step_in_epoch else 0.0
         self.loss_sum = torch.full((), carried, dtype=torch.float64, device=self.device)
         self.t0 = self.train_time = None
+        self.data_wait = 0.0
+
+    def timed(self, loader):
+        """The loader's batches, adding the time spent waiting for each to data_wait: a host-side clock, no sync (on
+        a GPU the host runs ahead, so it waits here only when the data, not the GPU, is what is slow)."""
+        batches = iter(loader)
+        while True:
+            t = time.perf_counter()
+            batch = next(batches, None)
+            self.data_wait += time.perf_counter() - t
+            if batch is None:
+                return
+            yield batch
 
     def step_done(self, loss):
         """One optimizer step done, with this loss (0-dim, on the device)."""
@@ -686,6 +699,11 @@ class Progress:
 
     def due(self, every):
         return every is not None and self.step % every == 0
+
+    def waiting(self):
+        """{"data_wait": its share of the epoch's time so far}, for the progress line when it exceeds 5%."""
+        share = self.data_wait / max(time.time() - self.t0, 1e-9) if self.t0 else 0.0
+        return {"data_wait": f"{share:.0%}"} if share > 0.05 else {}
 
     def end_epoch(self):
         self.train_time = synced_time(self.device) - self.t0 if self.t0 else 0.0
@@ -729,7 +747,8 @@ def log_epoch(out_dir, writer, progress, row):
     finished = progress.step_in_epoch == progress.steps_per_epoch
     row = {"epoch": progress.epoch + (1 if finished else progress.step_in_epoch / progress.steps_per_epoch),
            "step": progress.step, **row, "samples_per_s": progress.samples_per_s(),
-           "epoch_time_s": progress.train_time, "first_step_time": progress.first_step_time}
+           "epoch_time_s": progress.train_time, "data_wait_s": progress.data_wait,
+           "first_step_time": progress.first_step_time}
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if writer:

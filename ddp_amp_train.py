@@ -83,9 +83,8 @@ def setup_distributed(args):
 def build_data(args, rank, world_size, device):
     """Every rank draws the same global order and trains on its own part of each global batch; every validation
     sample is on exactly one rank. Returns (train_set, sampler, train_loader, val_loader)."""
-    # rank 0 downloads first, alone, so that N processes never write the same files at once
-    common.on_rank0(lambda: common.load_data(args, download=True), rank)
-    train_set, val_set = common.load_data(args)
+    # rank 0 downloads and builds first, alone, so that N processes never write the same files at once; then the others
+    train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), rank) or common.load_data(args)
     # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
                                  drop_last=True)
@@ -166,14 +165,14 @@ def train_one_epoch(model, loader, optimizer, scheduler, autocast, scaler, progr
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
     loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
     bar = common.progress_bar(progress, dist.get_rank() == 0)  # rank 0's: a tqdm bar, or plain lines in a log file
-    for x, y in loader:
+    for x, y in progress.timed(loader):  # counts the time spent waiting for data
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
         progress.step_done(train_step(model, x, y, optimizer, scheduler, autocast, scaler, args))  # [amp]
         bar.update()
         if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
             check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
             bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                            samples_per_s=f"{progress.samples_per_s():.0f}")
+                            samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
         if progress.epoch_done:
             break
         if progress.due(args.save_every):

@@ -150,14 +150,14 @@ def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
     loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
     bar = common.progress_bar(progress, True)  # [dp] one process: it shows its progress
-    for x, y in loader:
+    for x, y in progress.timed(loader):  # counts the time spent waiting for data
         x = x.contiguous(memory_format=memory_format)  # [dp] DataParallel scatters the batch to the GPUs itself
         progress.step_done(train_step(forward, x, y, optimizer, scheduler, args))  # [dp]
         bar.update()
         if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
             check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
             bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                            samples_per_s=f"{progress.samples_per_s():.0f}")
+                            samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
         if progress.epoch_done:
             break
         if progress.due(args.save_every):

@@ -53,22 +53,27 @@ def readme_edits():
     return re.findall(r"# was:\n(.*?)\n\s*# now:\n(.*?)\n(?=\s*# was:|\Z)", block, re.S)
 
 
-@pytest.mark.slow
-@pytest.mark.floor
-def test_a_copy_trains_your_own_dataset_and_model(tmp_path):
+def adapted_copy(folder, my_project):
+    """ddp_launch_train.py and common.py in `folder`, changed as the README says, with `my_project` beside them."""
     edits = readme_edits()
     assert 3 <= len(edits) <= 4, edits
-    shutil.copy(os.path.join(ROOT, "common.py"), tmp_path)
+    shutil.copy(os.path.join(ROOT, "common.py"), folder)
     script = open(os.path.join(ROOT, "ddp_launch_train.py")).read()
     for old, new in edits:
         old, new = old.rstrip(), new.rstrip()
         assert script.count(old) == 1, f"the README's line is not in the script: {old}"
         script = script.replace(old, new)
     assert "common.make_model" not in script and "common.load_data" not in script
-    (tmp_path / "train.py").write_text(script)
-    (tmp_path / "my_project.py").write_text(MY_PROJECT)
+    (folder / "train.py").write_text(script)
+    (folder / "my_project.py").write_text(my_project)
+    return str(folder / "train.py")
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_a_copy_trains_your_own_dataset_and_model(tmp_path):
     out = tmp_path / "out"
-    p = run(str(tmp_path / "train.py"), "--epochs", 3, "--batch-size", 16, "--lr", 0.05, "--out-dir", out,
+    p = run(adapted_copy(tmp_path, MY_PROJECT), "--epochs", 3, "--batch-size", 16, "--lr", 0.05, "--out-dir", out,
             launcher="torchrun", nproc=2)
     rows = metrics(str(out))
     assert [r["val_count"] for r in rows] == [90] * 3, rows  # every validation sample once, over both ranks
@@ -76,3 +81,17 @@ def test_a_copy_trains_your_own_dataset_and_model(tmp_path):
     model = checkpoint(str(out))["model"]
     assert model["net.5.weight"].shape == (3, 24) and "net.1.running_mean" in model  # 3 classes, from one pass
     assert "Traceback" not in p.stderr
+
+
+SLEEPY = MY_PROJECT.replace("    def __getitem__(self, i):\n", """    def __getitem__(self, i):
+        __import__("time").sleep(0.05 / 8)  # 0.05 s per batch of 8
+""").replace("self.augment = ", "self.classes = 3  # no pass over the labels\n        self.augment = ")
+
+
+@pytest.mark.slow
+def test_data_wait_is_the_time_spent_waiting_for_batches(tmp_path):
+    out = tmp_path / "out"
+    run(adapted_copy(tmp_path, SLEEPY), "--epochs", 1, "--batch-size", 8, "--workers", 0, "--max-steps", 30,
+        "--out-dir", out)
+    row = metrics(str(out))[0]
+    assert row["step"] == 30 and 0.8 * 30 * 0.05 <= row["data_wait_s"] <= 1.2 * 30 * 0.05, row

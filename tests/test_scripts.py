@@ -64,6 +64,7 @@ def test_metrics_format(script_run, name):
             assert key in row, key
         assert row["world_size"] == (1 if name == "dp" else 2)
         assert row["samples_per_s"] > 0 and row["peak_mem_mb"] > 0
+        assert 0 <= row["data_wait_s"] < 0.05 * row["epoch_time_s"] + 0.05  # in memory: no waiting for data
     assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
 
 
