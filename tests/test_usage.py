@@ -85,6 +85,14 @@ def test_imagefolder_subsets_keep_every_class_in_proportion(tmp_path):
         common.load_data(defaults(**{**vars(args), "val_size": 1}))
 
 
+def test_imagefolder_at_the_default_size_suggests_image_size(tmp_path, capsys):
+    write_images(tmp_path, {"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
+    common.load_data(defaults(dataset="imagefolder", data_dir=str(tmp_path)), download=True)  # rank 0's call
+    assert "--image-size" in capsys.readouterr().out
+    common.load_data(defaults(dataset="imagefolder", data_dir=str(tmp_path)))  # the other ranks say nothing
+    assert capsys.readouterr().out == ""
+
+
 def test_classes_come_from_the_whole_dataset():
     train, _ = common.load_data(defaults(train_size=4, val_size=20, seed=4))
     assert common.channels_and_classes(train) == (1, 10)  # not the few labels of 4 samples
@@ -127,7 +135,8 @@ def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
 @pytest.mark.slow
 def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path):
     out = tmp_path / "out"
-    run("ddp_launch_train.py", *TINY, "--save-every", 2, "--max-steps", 3, "--out-dir", out)
+    p = run("ddp_launch_train.py", *TINY, "--save-every", 2, "--max-steps", 3, "--out-dir", out)
+    assert "epoch 1 (stopped at step 3 of 8)  train_loss" in p.stdout, p.stdout
     before = (out / "last.pt").read_bytes()
     p = run("ddp_launch_train.py", *TINY, "--max-steps", 3, "--resume", "auto", "--out-dir", out)
     assert "already at step 3 of --max-steps 3: nothing to train" in p.stdout and "epoch 1" not in p.stdout
