@@ -136,7 +136,7 @@ def test_exact_evaluation_batchnorm(tmp_path, nproc):
 
 
 def strip_timings(rows):
-    timing = {"samples_per_s", "epoch_time_s", "eval_time_s", "first_step_time", "peak_mem_mb"}
+    timing = {"samples_per_s", "epoch_time_s", "data_wait_s", "eval_time_s", "first_step_time", "peak_mem_mb"}
     return [{k: v for k, v in r.items() if k not in timing} for r in rows]
 
 
