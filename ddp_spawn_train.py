@@ -253,9 +253,10 @@ def worker(rank, world_size, args):
     try:
         main(rank, world_size, args)
     except (common.UsageError, common.NonFinite) as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: the parent's SIGTERM must not cut this short
         if rank == 0 or isinstance(e, common.BadFile):  # every rank raises the others: once
             print(f"error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
+        if dist.is_initialized() and not isinstance(e, common.BadFile):  # (a BadFile's peers are still training)
             dist.barrier()  # let rank 0 print before spawn, seeing a child exit, ends the others
         sys.exit(2 if isinstance(e, common.UsageError) else 1)
     finally:

@@ -362,8 +362,12 @@ if __name__ == "__main__":
     try:
         main(args)
     except (common.UsageError, common.NonFinite) as e:
+        # leaving anyway: torchrun's SIGTERM, sent once a first rank has exited, must not cut this short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if launcher_env()[0] == 0 or isinstance(e, common.BadFile):  # every rank raises the others: once
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(0.5)  # and rank 0 says why before the others exit
         sys.exit(2 if isinstance(e, common.UsageError) else 1)
     finally:
         if dist.is_initialized():
