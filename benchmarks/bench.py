@@ -2,14 +2,14 @@
 training loop, on the same model, data shape, global batch, precision and thread count, in one run.
 
     python benchmarks/bench.py                                  # cnn, global batch 64, on the GPU if there is one
-    python benchmarks/bench.py --device cpu --steps 50 --repeats 5 --json cpu.json
+    python benchmarks/bench.py --device cpu --json cpu.json
     python benchmarks/bench.py --device cuda --model resnet18 --batch-size 256 --precision bf16 --channels-last
     python benchmarks/bench.py --steps 3 --repeats 1 --batch-size 8   # a smoke test: checks that it runs, times nothing
 
-The bare loop (bare_loop below) is the reference: one process, no DDP/DataParallel wrapper, common.make_model,
-SGD (lr 0.01, momentum 0.9, weight decay 5e-4, foreach), the same autocast for bf16, batches sliced from tensors
-already on the device, zero_grad(set_to_none=True), and nothing else: no data loader, scheduler, logging, NaN check
-or eval. Each script runs as a subprocess on synthetic data (1x28x28, 10 classes) for --steps optimizer steps in
+The bare loop (bare_loop below) is the reference: one process, no DDP/DataParallel wrapper, the scripts' own data
+(common.load_data on the same flags, one tensor index per batch, in a random order), model, SGD and schedule, the
+same autocast for bf16, zero_grad(set_to_none=True), and nothing else: no data loader, logging, NaN check or eval.
+Each script runs as a subprocess on synthetic data (1x28x28, 10 classes) for --steps optimizer steps in
 --epochs 1, at world size 1 (dp_train.py, plain python ddp_launch_train.py, ddp_spawn_train.py --nprocs 1,
 ddp_amp_train.py); on CPU by default (or with --two-process) also ddp_spawn_train.py --nprocs 2 and
 torchrun --nproc_per_node=2 ddp_launch_train.py, each process taking half the batch and half the threads.
@@ -18,10 +18,13 @@ With --precision bf16 only ddp_amp_train.py runs (the other scripts train in fp3
 --shape 3x224x224 (for ImageNet models) passes --synthetic-shape to the scripts.
 
 Columns (medians over --repeats runs, interleaved: bare, scripts, bare, scripts, ... so that a shared machine's
-load falls on every row alike):
+drifting speed falls on every row alike):
   samples/s   steady state, global batch: from the end of the first optimizer step to the end of the last
               (CUDA-synchronized); the first step (allocation, cuDNN autotuning, compilation) is not timed
-  ratio       samples/s over the bare loop's: what the script's wrapper, loader and bookkeeping cost
+  ratio       samples/s over the bare loop's run of the same repeat, median over the repeats: what the script's
+              wrapper, loader and bookkeeping cost; range: the lowest and highest of those ratios (all of them are
+              in the JSON, "ratio_runs"). At world size 1 every script should be at least 0.95; a wrapper cannot
+              beat the loop it wraps, so a median above 1.05 means the reference is not doing the same work
   start-up s  from launching the process to the end of its first optimizer step (imports, data, model, first step)
   eval s      the scripts' validation pass (as many samples as were trained on); the bare loop has none
   peak MB     rank 0: GPU memory allocated (CUDA), or the process's max resident set size (CPU)
@@ -54,35 +57,45 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 
 def bare_loop(a):
-    """The reference loop, run in its own process (bench.py --bare-worker); writes a metrics row as the scripts do."""
+    """The reference loop, run in its own process (bench.py --bare-worker); writes a metrics row as the scripts do.
+    It does the scripts' work and nothing else: their flags, data (built by common.load_data, then one tensor index
+    per batch in a random order), model, optimizer, schedule and threads; no wrapper, loader, logging or NaN check.
+
+    Building the same data also gives it the scripts' memory history, which matters on CPU: glibc raises its mmap
+    threshold to the largest block freed so far. A loop that never held more than a few small batches (this one did,
+    until 2026-11) keeps mmapping and unmapping every step's activations, ~6,000 page faults per step for the cnn
+    at batch 64, against ~50 in the scripts, and ran ~1.2x slower than the scripts it was meant to bound."""
     device = torch.device(a.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     common.set_fast_math(device, deterministic=False)  # the scripts' TF32 and cuDNN autotuning settings
+    args = common.get_parser("").parse_args(script_flags(a) + ["--batch-size", str(a.batch_size)])
     fmt = torch.channels_last if a.channels_last else torch.contiguous_format
-    c, h, w = map(int, a.shape.split("x"))
-    torch.manual_seed(0)
-    model = common.make_model(a.model, c, 10).to(device, memory_format=fmt)
+    train_set, _ = common.load_data(args)
+    if device.type == "cuda":
+        train_set.x, train_set.y = train_set.x.to(device), train_set.y.to(device)  # as the scripts' loader does
+    torch.manual_seed(args.seed)
+    model = common.make_model(a.model, *common.channels_and_classes(train_set)).to(device, memory_format=fmt)
     if a.compile:
         model.compile()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
-    B, n = a.batch_size, min(a.steps, 8)  # a few distinct batches, already on the device
-    x = torch.randn(n * B, c, h, w, device=device).contiguous(memory_format=fmt)
-    y = torch.randint(0, 10, (n * B,), device=device)
+    optimizer, scheduler = common.make_optimizer(args, model, a.steps)
+    order = torch.randperm(len(train_set)).view(a.steps, a.batch_size)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
     model.train()
     for step in range(a.steps):
-        i = step % n * B
+        x, y = train_set[(0, order[step])]
+        x = x.contiguous(memory_format=fmt)
         with autocast:
-            loss = F.cross_entropy(model(x[i:i + B]), y[i:i + B])
+            loss = F.cross_entropy(model(x), y)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         if step == 0:  # not timed: the first step, as in the scripts
             sync(device)
             t0 = time.time()
     sync(device)
-    row = {"samples_per_s": (a.steps - 1) * B / (time.time() - t0), "first_step_time": t0, "eval_time_s": None,
-           "world_size": 1, "peak_mem_mb": common.peak_memory_mb(device)}
+    row = {"samples_per_s": (a.steps - 1) * a.batch_size / (time.time() - t0), "first_step_time": t0,
+           "eval_time_s": None, "world_size": 1, "peak_mem_mb": common.peak_memory_mb(device)}
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "metrics.jsonl"), "w") as f:  # the scripts' format, one row
         f.write(json.dumps(row) + "\n")
@@ -93,25 +106,32 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def script_flags(a):
+    """The flags every row's script gets, but --batch-size (per process) and --out-dir; the bare loop parses them
+    too."""
+    return (["--device", a.device, "--model", a.model] + ["--channels-last"] * a.channels_last
+            + ["--compile"] * a.compile + ["--dataset", "synthetic", "--epochs", "1", "--max-steps", str(a.steps),
+                                           "--train-size", str(a.steps * a.batch_size),
+                                           "--val-size", str(a.steps * a.batch_size)]
+            + (["--synthetic-shape", a.shape] if a.shape != DEFAULT_SHAPE else []))
+
+
 def configs(a, threads):
     """(name, world_size, command, OMP_NUM_THREADS) of every row, the bare loop first."""
     py, B, cuda = sys.executable, a.batch_size, a.device == "cuda"
-    flags = (["--device", a.device, "--model", a.model] + ["--channels-last"] * a.channels_last
-             + ["--compile"] * a.compile)
-    data = ["--dataset", "synthetic", "--epochs", "1", "--max-steps", str(a.steps), "--train-size", str(a.steps * B),
-            "--val-size", str(a.steps * B)] + (["--synthetic-shape", a.shape] if a.shape != DEFAULT_SHAPE else [])
     script = lambda name: os.path.join(ROOT, name)  # noqa: E731
-    one = data + flags + ["--batch-size", str(B)]
+    one = script_flags(a) + ["--batch-size", str(B)]
     bare = [py, os.path.abspath(__file__), "--bare-worker", "--batch-size", str(B), "--steps", str(a.steps),
-            "--precision", a.precision, "--shape", a.shape]
-    rows = [("bare", 1, bare + flags, threads)]
+            "--precision", a.precision, "--shape", a.shape, "--device", a.device, "--model", a.model]
+    bare += ["--channels-last"] * a.channels_last + ["--compile"] * a.compile
+    rows = [("bare", 1, bare, threads)]
     if a.precision == "fp32":  # these three have no --precision: they train in fp32 only
         rows += [("dp_train.py", 1, [py, script("dp_train.py")] + one + ["--gpus", "0"] * cuda, threads),
                  ("ddp_launch_train.py", 1, [py, script("ddp_launch_train.py")] + one, threads),
                  ("ddp_spawn_train.py", 1, [py, script("ddp_spawn_train.py"), "--nprocs", "1"] + one, threads)]
     rows.append(("ddp_amp_train.py", 1, [py, script("ddp_amp_train.py"), "--precision", a.precision] + one, threads))
     if a.two_process:  # the same global batch over two processes
-        two, half = data + flags + ["--batch-size", str(B // 2)], max(1, threads // 2)
+        two, half = script_flags(a) + ["--batch-size", str(B // 2)], max(1, threads // 2)
         torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         if a.precision == "fp32":
             rows.append(("ddp_spawn_train.py", 2, [py, script("ddp_spawn_train.py"), "--nprocs", "2"] + two, half))
@@ -159,20 +179,28 @@ def main(a):
             print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {runs[name, ws][-1]['samples_per_s']:.1f} samples/s",
                   file=sys.stderr, flush=True)
     median = lambda rs, k: None if rs[0][k] is None else statistics.median(x[k] for x in rs)  # noqa: E731
-    bare = median(runs["bare", 1], "samples_per_s")
+    bare_runs = [x["samples_per_s"] for x in runs["bare", 1]]
+    # each run over the bare run of its own repeat: the machine's speed drifts, and a pair shares the drift
+    ratios = {key: [x["samples_per_s"] / b for x, b in zip(rs, bare_runs)] for key, rs in runs.items()}
     table = [{"name": name, "device": a.device, "world_size": ws, "precision": a.precision, "model": a.model,
               "shape": a.shape, "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats,
-              "threads": threads_of[name, ws],
-              **{k: median(rs, k) for k in rs[0]}, "ratio_to_bare": median(rs, "samples_per_s") / bare,
+              "threads": threads_of[name, ws], **{k: median(rs, k) for k in rs[0]},
+              "ratio_to_bare": statistics.median(ratios[name, ws]), "ratio_runs": ratios[name, ws],
               "samples_per_s_runs": [x["samples_per_s"] for x in rs]} for (name, ws), rs in runs.items()]
     print(f"\n{a.model} {a.shape} {a.precision}, global batch {a.batch_size}, {a.steps} steps, "
           f"median of {a.repeats}, {threads} CPU threads per 1-process run")
-    print(f"{'name':30} {'device':6} {'world':>5} {'samples/s':>10} {'ratio':>6} {'start-up s':>10} {'eval s':>7} "
-          f"{'peak MB':>8}")
+    print(f"{'name':30} {'device':6} {'world':>5} {'samples/s':>10} {'ratio':>6} {'range':>11} {'start-up s':>10} "
+          f"{'eval s':>7} {'peak MB':>8}")
     for t in table:
         ev = "-" if t["eval_s"] is None else f"{t['eval_s']:.2f}"
+        spread = f"{min(t['ratio_runs']):.2f}-{max(t['ratio_runs']):.2f}"
         print(f"{t['name']:30} {t['device']:6} {t['world_size']:5d} {t['samples_per_s']:10.1f} "
-              f"{t['ratio_to_bare']:6.2f} {t['startup_s']:10.2f} {ev:>7} {t['peak_mem_mb']:8.0f}")
+              f"{t['ratio_to_bare']:6.2f} {spread:>11} {t['startup_s']:10.2f} {ev:>7} {t['peak_mem_mb']:8.0f}")
+    ones = [t for t in table if t["world_size"] == 1 and t["name"] != "bare"]
+    low = [t["name"] for t in ones if t["ratio_to_bare"] < 0.95]
+    high = [t["name"] for t in ones if t["ratio_to_bare"] > 1.05]
+    print("world size 1, median ratio at least 0.95: " + ("met" if not low else "NOT met: " + ", ".join(low))
+          + ("; above 1.05 (faster than the loop they wrap: look for the reason): " + ", ".join(high) if high else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(table, f, indent=1)
@@ -183,8 +211,9 @@ if __name__ == "__main__":
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="cnn", help="cnn or a torchvision model name, as in the scripts")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (per process: this over the world size)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run, the first one untimed (at least 2)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of every row; the table shows medians")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run, the first one untimed (at least 2)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of every row, interleaved; the table shows medians and the range of the ratios")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: autocast; only ddp_amp_train.py has it, so the fp32-only scripts are left out")
     p.add_argument("--channels-last", action="store_true")

@@ -31,13 +31,34 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert {(r["name"], r["world_size"]) for r in rows} == ROWS and len(rows) == len(ROWS)
     for r in rows:
         assert r["device"] == "cpu" and r["precision"] == "fp32" and r["global_batch"] == 8
-        assert r["samples_per_s"] > 0 and len(r["samples_per_s_runs"]) == 1
+        assert r["samples_per_s"] > 0 and len(r["samples_per_s_runs"]) == 1 and r["ratio_runs"] == [r["ratio_to_bare"]]
         assert isinstance(r["ratio_to_bare"], float) and math.isfinite(r["ratio_to_bare"]) and r["ratio_to_bare"] > 0
         assert r["startup_s"] > 0 and r["peak_mem_mb"] > 0
         assert (r["eval_s"] is None) == (r["name"] == "bare")
     assert next(r for r in rows if r["name"] == "bare")["ratio_to_bare"] == 1.0
     table = p.stdout.splitlines()
     assert all(any(line.startswith(name + " ") for line in table) for name, _ in ROWS), p.stdout  # one table row each
+
+
+def test_the_bare_loop_trains_on_the_scripts_data(tmp_path):
+    """The reference does the scripts' work: their data (common.load_data on their flags), model and schedule."""
+    p = subprocess.run([sys.executable, BENCH, "--bare-worker", "--device", "cpu", "--steps", "3", "--batch-size", "8",
+                        "--out-dir", str(tmp_path)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["samples_per_s"] > 0 and row["world_size"] == 1 and row["eval_time_s"] is None
+
+
+def test_loader_benchmark_runs_every_pipeline(tmp_path):
+    out = tmp_path / "loader.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "loader.py"), "--images", "8",
+                        "--batch-size", "4", "--repeats", "1", "--workers", "1", "--json", str(out)], cwd=ROOT,
+                       env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"baseline", "scripts", "pretrained"} and rows["baseline"]["ratio_to_baseline"] == 1.0
+    assert all(r["images_per_s"] > 0 and r["jpeg_kb"] > 10 and len(r["ratio_runs"]) == 1 for r in rows.values())
 
 
 def test_bad_arguments_exit_before_running_anything():
