@@ -40,12 +40,29 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert all(any(line.startswith(name + " ") for line in table) for name, _ in ROWS), p.stdout  # one table row each
 
 
-def test_the_bare_loop_trains_on_the_scripts_data(tmp_path):
-    """The reference does the scripts' work: their data (common.load_data on their flags), model and schedule."""
-    p = subprocess.run([sys.executable, BENCH, "--bare-worker", "--device", "cpu", "--steps", "3", "--batch-size", "8",
-                        "--out-dir", str(tmp_path)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_the_bare_loop_trains_on_the_scripts_data(tmp_path, monkeypatch):
+    """The reference does the scripts' work: it builds their data with common.load_data on the flags the script rows
+    get, and trains on every sample of it, one tensor index per batch (not on a few batches of randn, which made it
+    slower than the scripts: see bare_loop)."""
+    import argparse
+    import importlib.util
+    import torch
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    built, seen, load_data, get = [], [], bench.common.load_data, bench.common.InMemory.__getitem__
+    monkeypatch.setattr(bench.common, "load_data", lambda args, download=False: built.append(args) or load_data(args))
+    monkeypatch.setattr(bench.common.InMemory, "__getitem__", lambda ds, key: seen.append(key[1]) or get(ds, key))
+    a = argparse.Namespace(device="cpu", model="cnn", channels_last=False, compile=False, steps=3, batch_size=8,
+                           precision="fp32", shape=bench.DEFAULT_SHAPE, out_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        bench.bare_loop(a)
+    finally:
+        torch.set_num_threads(threads)
+    script_args = bench.common.get_parser("").parse_args(bench.script_flags(a) + ["--batch-size", "8"])
+    assert len(built) == 1 and vars(built[0]) == vars(script_args) and built[0].train_size == 24
+    assert sorted(torch.cat(seen).tolist()) == list(range(24)) and all(len(i) == 8 for i in seen)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["samples_per_s"] > 0 and row["world_size"] == 1 and row["eval_time_s"] is None
 
