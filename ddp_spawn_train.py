@@ -145,6 +145,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device,
     bar = common.progress_bar(progress, dist.get_rank() == 0)  # rank 0's: a tqdm bar, or plain lines in a log file
     for x, y in progress.timed(loader):  # counts the time spent waiting for data
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
+        x = loader.normalize(x)  # image files come as uint8, 4x fewer bytes to copy: made float here, on the device
         progress.step_done(train_step(model, x, y, optimizer, scheduler, args))
         bar.update()
         if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
@@ -181,6 +182,7 @@ def evaluate(model, loader, device, memory_format):
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for x, y in loader:
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
+        x = loader.normalize(x)
         out = model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()

@@ -151,6 +151,7 @@ def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args
     loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
     bar = common.progress_bar(progress, True)  # [dp] one process: it shows its progress
     for x, y in progress.timed(loader):  # counts the time spent waiting for data
+        x = loader.normalize(x.to(device, non_blocking=True))  # [dp] image files come as uint8: made float on GPU 0
         x = x.contiguous(memory_format=memory_format)  # [dp] DataParallel scatters the batch to the GPUs itself
         progress.step_done(train_step(forward, x, y, optimizer, scheduler, args))  # [dp]
         bar.update()
@@ -173,6 +174,7 @@ def evaluate(forward, model, loader, device, memory_format):  # [dp]
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for x, y in loader:
+        x = loader.normalize(x.to(device, non_blocking=True))  # [dp]
         loss_sum, correct = forward(x.contiguous(memory_format=memory_format), y)
         totals[0] += loss_sum.to(device)
         totals[1] += correct.to(device)

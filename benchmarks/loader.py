@@ -10,8 +10,9 @@ a temporary folder, then times a whole pass over them, batch 64, shuffled, for e
   baseline      torchvision.datasets.ImageFolder: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip,
                 ToTensor, Normalize (torchvision.transforms, v1)
   scripts       common.ImageFiles, as the scripts train on an ImageFolder: torchvision.io.decode_image, then
-                transforms.v2 on the uint8 tensor (resize to 224x224, random crop with padding, flip), to float
-                and normalized; each sample's randomness seeded from (seed, epoch, index)
+                transforms.v2 on the uint8 tensor (resize to 224x224, random crop with padding, flip); each
+                sample's randomness seeded from (seed, epoch, index). Batches leave the worker as uint8 and are
+                made float and normalized in this process (loader.normalize), as the scripts do on their device
   pretrained    common.ImageFiles with --pretrained's training transform (RandomResizedCrop(224) and flip, v2 on
                 the uint8 tensor): the same work as the baseline, done the scripts' way
 Each pass runs twice in a row and the second is timed (the first starts the workers and fills the page cache).
@@ -68,6 +69,7 @@ def images_per_s(loader):
         pass
     t, n = time.perf_counter(), 0
     for x, _ in loader:
+        x = getattr(loader, "normalize", torch.nn.Identity())(x)  # the scripts' loaders: uint8 to normalized float
         n += len(x)
     assert x.dtype == torch.float32 and x.shape[1:] == (3, 224, 224), x.shape
     return n / (time.perf_counter() - t)

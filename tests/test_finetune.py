@@ -180,8 +180,12 @@ def test_pretrained_preprocessing_is_the_weights_own(images):
     a, b, c = train[(0, 5)][0], train[(0, 5)][0], train[(1, 5)][0]
     assert torch.equal(rng, torch.get_rng_state())  # the caller's RNG is left as it was
     assert a.shape == (3, 64, 64) and torch.equal(a, b) and not torch.equal(a, c)  # a function of (seed, epoch, index)
-    # a random crop of a one-colour image is that colour, normalized with the weights' mean and std
+    # training images leave the workers as uint8; a random crop of a one-colour image is that colour, and
+    # normalize, on the batch, gives it the weights' mean and std
     flat = train.transform(Image.new("RGB", (40, 48), (255, 0, 128)))
+    assert flat.dtype == torch.uint8 and flat.shape == (3, 64, 64) and flat[:, 5, 7].tolist() == [255, 0, 128]
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
     colour = (torch.tensor([255, 0, 128]) / 255 - mean) / std
-    assert flat.shape == (3, 64, 64) and torch.allclose(flat, colour[:, None, None].expand(3, 64, 64), atol=1e-5)
+    batch = train.normalize(torch.stack([flat, flat]))
+    assert batch.dtype == torch.float32 and torch.allclose(batch, colour[:, None, None].expand(2, 3, 64, 64), atol=1e-5)
+    assert val.normalize(x) is x  # validation is float already: left as it is
