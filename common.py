@@ -411,10 +411,12 @@ def make_loader(ds, sampler, batch_size, drop_last, workers, device):
     if isinstance(ds, InMemory):  # the whole batch with one tensor index, in this process, on the GPU if it fits
         if device.type == "cuda" and ds.x.nbytes < 4 * 2**30:
             ds.x, ds.y = ds.x.to(device), ds.y.to(device)  # copied once, not every step
-        loader = DataLoader(ds, sampler=batches, batch_size=None)
+        loader = DataLoader(ds, sampler=batches, batch_size=None, generator=torch.Generator().manual_seed(0))
     else:  # files: decoded in worker processes, into pinned memory for asynchronous copies to the GPU
         loader = DataLoader(ds, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
-                            persistent_workers=workers > 0)
+                            persistent_workers=workers > 0, generator=torch.Generator().manual_seed(0))
+    # (a generator of its own: an iterator draws its workers' seed from it, not from the one dropout draws from, so
+    # that resuming mid-epoch, which starts a new iterator, draws nothing more than the uninterrupted run did)
     loader.batches = batches
     # image files come as uint8 (4x fewer bytes to move): `x = loader.normalize(x)` on the device makes them float
     loader.normalize = ds.normalize if isinstance(ds, ImageFiles) else nn.Identity()
@@ -673,6 +675,29 @@ def claim_out_dir(out_dir, args):
         raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
                          "starts afresh and replaces it, or give another --out-dir")
     return fd
+
+
+# ---- random number generators: a checkpoint keeps each rank's, so that dropout draws on as if never stopped
+def rng_state(devices):
+    """This process's random number generators: the CPU's, and those of the GPUs among `devices`."""
+    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"]}
+
+
+def restore_rng(saved, rank, world_size, seed, devices):
+    """This rank's generators as the checkpoint `saved` holds them. At another world size, or from a checkpoint
+    without them, each rank's are seeded from (seed, position, rank) instead, and rank 0 says so."""
+    states = saved.get("rng") or []
+    if len(states) == world_size:
+        torch.set_rng_state(states[rank]["cpu"])
+        for device, state in zip([d for d in devices if d.type == "cuda"], states[rank]["cuda"]):
+            torch.cuda.set_rng_state(state, device)
+        return
+    position = (saved["epoch"] * 1_000_003 + saved["step_in_epoch"]) * 1_009 + rank
+    torch.manual_seed((seed * 1_000_000_007 + position) % 2**63)  # the CPU's and every GPU's
+    if rank == 0:
+        print(f"random number generators seeded from (--seed, step, rank): the checkpoint holds "
+              f"{f'the states of {len(states)} processes, this run has {world_size}' if states else 'none'}, so "
+              f"dropout and the like draw other numbers than an uninterrupted run would")
 
 
 # ---- progress and metrics: the step counters a checkpoint keeps, rank 0's metrics.jsonl and summary lines

@@ -123,7 +123,7 @@ def build_model(args, train_set, device, memory_format, rank, local_rank):
     return raw_model, model
 
 
-def resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch, rank):
+def resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch, rank, device):
     """Rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed). Returns the
     progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone,
@@ -136,6 +136,8 @@ def resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch,
         set_model_state_dict(raw_model, ckpt["model"] if rank == 0 else {}, options=options)
         set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"] if rank == 0 else {}, options=options)
         scheduler.load_state_dict(meta[0]["scheduler"])
+        # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
+        common.restore_rng(meta[0], rank, dist.get_world_size(), args.seed, [device])
         if meta[0].get("scaler"):  # [amp] a checkpoint of another script or precision has none: a fresh scale
             scaler.load_state_dict(meta[0]["scaler"])
     return meta[0]
@@ -220,9 +222,11 @@ def save(out_dir, raw_model, optimizer, scheduler, scaler, progress, args):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
     model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
     state = progress.state(mean_over_ranks(progress.loss_sum))
+    rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(common.rng_state([progress.device]), rngs)  # every rank's random number generators
     if dist.get_rank() == 0:
         common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                            **state, "args": vars(args), "world_size": dist.get_world_size(),
+                            **state, "rng": rngs, "args": vars(args), "world_size": dist.get_world_size(),
                             "scaler": scaler.state_dict()},  # [amp] the loss scale, as Apex's amp.state_dict() kept it
                            os.path.join(out_dir, "last.pt"))
 
@@ -242,7 +246,7 @@ def main(args):
     global_batch = args.batch_size * args.grad_accum * world_size
     # rank 0 claims --out-dir (no other live run, no last.pt replaced unasked), held until this process ends
     out_lock = common.on_rank0(lambda: common.claim_out_dir(out_dir, args), rank)  # noqa: F841
-    saved = resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch, rank)  # [amp]
+    saved = resume(args, raw_model, optimizer, scheduler, scaler, out_dir, global_batch, rank, device)  # [amp]
     progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
     checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, scaler, progress, args)  # [amp]
     if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent

@@ -118,7 +118,7 @@ def build_model(args, train_set, device, memory_format, gpus):  # [dp]
     return raw_model, model, forward
 
 
-def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch):  # [dp]
+def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, gpus):  # [dp]
     """A checkpoint of any script of this collection, written with any number of processes. Returns the progress it
     saved, or None for a fresh start."""
     ckpt = common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone, global_batch)
@@ -127,6 +127,8 @@ def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch):  # [dp
         set_model_state_dict(raw_model, ckpt["model"], options=options)
         set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
         scheduler.load_state_dict(ckpt["scheduler"])
+        # dropout and the like draw from the CPU's and each GPU's generators: as they were, to go on as if never stopped
+        common.restore_rng(ckpt, 0, 1, args.seed, [torch.device("cuda", g) for g in gpus])  # [dp]
     return ckpt
 
 
@@ -192,15 +194,16 @@ def mean_over_ranks(t):  # [dp] one process: nothing to reduce (the same name as
     return t.item()
 
 
-def save(out_dir, raw_model, optimizer, scheduler, progress, args):
+def save(out_dir, raw_model, optimizer, scheduler, progress, args, gpus):  # [dp]
     """One process writes the whole training state:
     plain names and whole tensors, loadable by any script, any number of processes, with or without a GPU."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
     model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
     state = progress.state(mean_over_ranks(progress.loss_sum))
+    rngs = [common.rng_state([torch.device("cuda", g) for g in gpus])]  # [dp] one process, its GPUs' generators too
     # [dp] one process: it writes
     common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),  # [dp]
-                        **state, "args": vars(args), "world_size": 1}, os.path.join(out_dir, "last.pt"))
+                        **state, "rng": rngs, "args": vars(args), "world_size": 1}, os.path.join(out_dir, "last.pt"))
 
 
 def main(args):
@@ -215,9 +218,9 @@ def main(args):
     global_batch = args.batch_size * args.grad_accum * max(1, len(gpus))  # [dp]
     # one process claims --out-dir (no other live run, no last.pt replaced unasked), held until it ends
     out_lock = common.claim_out_dir(out_dir, args)  # noqa: F841  [dp]
-    saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch)  # [dp]
+    saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, gpus)  # [dp]
     progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
-    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args)
+    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args, gpus)  # [dp]
     if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")

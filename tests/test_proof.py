@@ -33,6 +33,7 @@ RUNS = {  # name: (script, launcher, processes, extra args)
     "accum1": ("ddp_launch_train.py", "torchrun", 1, per_process(1, accum=2)),
     "accum2": ("ddp_launch_train.py", "torchrun", 2, per_process(2, accum=2)),
     "seed1": ("ddp_launch_train.py", "torchrun", 1, per_process(1) + ["--seed", 1]),
+    "dropout2": ("ddp_launch_train.py", "torchrun", 2, per_process(2) + ["--model", "squeezenet1_1"]),  # Dropout(0.5)
 }
 
 
@@ -161,11 +162,14 @@ def resume_case(tmp_path, first, then, stop_at):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,stop_at", [("launch1", 32), ("launch2", 32),
-                                                pytest.param("launch2", 40, marks=pytest.mark.floor)])
+                                                pytest.param("launch2", 40, marks=pytest.mark.floor),
+                                                pytest.param("dropout2", 40, marks=pytest.mark.floor)])
 def test_exact_resume(proof_run, tmp_path, name, stop_at):
-    """2 epochs, stop, resume for the 3rd (stop_at 32); or from a checkpoint in the middle of epoch 3 (40)."""
+    """2 epochs, stop, resume for the 3rd (stop_at 32); or from a checkpoint in the middle of epoch 3 (40). With
+    dropout, bit for bit only if every rank's random number generators are saved and restored."""
     stopped, resumed = resume_case(tmp_path, name, name, stop_at)
     assert (stopped["epoch"], stopped["step_in_epoch"]) == divmod(stop_at, 16)
+    assert len(stopped["rng"]) == RUNS[name][2]  # one state per rank
     straight = checkpoint(proof_run(name))
     for k in straight["model"]:  # same processes, same operations: bit for bit
         assert torch.equal(resumed["model"][k], straight["model"][k]), k
@@ -173,6 +177,30 @@ def test_exact_resume(proof_run, tmp_path, name, stop_at):
         assert torch.equal(resumed["optimizer"]["state"][k]["momentum_buffer"], state["momentum_buffer"]), k
     assert resumed["scheduler"] == straight["scheduler"]
     assert_same_metrics(metrics(str(tmp_path)), metrics(proof_run(name)))
+    for k, state in straight["rng"][0].items():
+        assert torch.equal(resumed["rng"][0][k], state) if torch.is_tensor(state) else resumed["rng"][0][k] == state
+
+
+def test_rng_states_are_restored_per_rank_or_reseeded_with_a_note(capsys):
+    """Each rank gets its own saved generators back; at another world size, or from an older checkpoint, each rank
+    is seeded from (seed, position, rank) instead, and rank 0 says so."""
+    def draws(seed):
+        torch.manual_seed(seed)
+        return common.rng_state([]), torch.rand(3)
+    (a, after_a), (b, after_b) = draws(1), draws(2)
+    saved = {"rng": [a, b], "epoch": 1, "step_in_epoch": 5}
+    common.restore_rng(saved, 1, 2, 0, [])
+    assert torch.equal(torch.rand(3), after_b) and capsys.readouterr().out == ""  # rank 1's own, silently
+    seeded = []
+    for rank in (0, 1, 2):
+        common.restore_rng(saved, rank, 3, 0, [])
+        seeded.append(torch.rand(3))
+    assert "the states of 2 processes, this run has 3" in capsys.readouterr().out  # said once, by rank 0
+    assert not torch.equal(seeded[0], seeded[1]) and not torch.equal(seeded[1], seeded[2])  # a stream per rank
+    common.restore_rng(saved, 1, 3, 0, [])
+    assert torch.equal(torch.rand(3), seeded[1])  # and a function of (seed, position, rank) alone
+    common.restore_rng({"epoch": 1, "step_in_epoch": 5}, 0, 1, 0, [])
+    assert "holds none" in capsys.readouterr().out
 
 
 @pytest.mark.slow
