@@ -3,6 +3,9 @@ data, the model, checkpoint files, progress and metrics. Nothing runs at import.
 script (how a process learns its rank, how the model is wrapped, how gradients and results are reduced) is in the
 script itself."""
 import argparse
+import contextlib
+import datetime
+import faulthandler
 import fcntl
 import functools
 import importlib.util
@@ -13,7 +16,9 @@ import pickle
 import resource
 import signal
 import sys
+import threading
 import time
+import traceback
 
 import torch
 import torch.nn as nn
@@ -35,6 +40,33 @@ class BadFile(UsageError):
 
 class NonFinite(Exception):
     """The loss became NaN/inf: every rank stops at the same step, exit status 1."""
+
+
+class Hung(Exception):
+    """A collective timed out: a rank stopped answering. Exit status 3; printed by the first rank that was not
+    behind."""
+
+    def __init__(self, message, print_it):
+        super().__init__(message)
+        self.print_it = print_it
+
+
+class Stopped(Exception):
+    """A signal stopped the run after every rank saved at the same step: exit status 0 after SIGUSR1 (a time limit
+    near: requeue and --resume auto), 143 (128 + 15) after SIGTERM."""
+
+    def __init__(self, signum, step):
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was saved: "
+                         "--resume auto continues from there")
+        self.code = 0 if signum == signal.SIGUSR1 else 128 + signum
+
+
+def exit_code(e):
+    """The exit status for what ended a run: see the table in docs/failures.md."""
+    return e.code if isinstance(e, Stopped) else 2 if isinstance(e, UsageError) else 3 if isinstance(e, Hung) else 1
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # the scripts' folder
 
 
 # ---- command line: the same flags, with the same meanings, in every script
@@ -96,6 +128,12 @@ def get_parser(doc):
     a("--resume", help="checkpoint to continue from, or 'auto': the last.pt in --out-dir if there is one")
     a("--weights", help="initialize the model from this state_dict or checkpoint; tensors of other names or shapes "
       "(another head size or channel count) keep their fresh values. Optimizer and schedule start fresh")
+    a("--clip-grad", type=float, metavar="MAX_NORM", help="clip the gradients' global norm (over all ranks and "
+      "shards; after unscaling under fp16) to MAX_NORM; metrics.jsonl then gets grad_norm, their mean norm before "
+      "clipping, and skipped_steps")
+    a("--step-timeout", type=float, default=300, help="after the first step, seconds that any collective may wait "
+      "(a step, an evaluation, rank 0 writing a checkpoint): past it, every rank stops and names the ranks that did "
+      "not arrive")
     a("--log-every", type=int, default=20, help="update the progress bar and check for NaN/inf every N steps (a sync)")
     a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir (pip install tensorboard)")
     a("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
@@ -119,6 +157,8 @@ def validate(args):
         if not (math.isfinite(value) and low <= value < high):
             within = f"at least {low}" if high == math.inf else f"at least {low} and below {high}"
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number {within}, got {value}")
+    if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
+        raise UsageError(f"--clip-grad must be a finite number above 0, got {args.clip_grad}")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in 0 .. {2**32 - 1}, got {args.seed}")
     if args.workers < 0:
@@ -557,6 +597,19 @@ def train_mode(model, frozen_backbone):
                 m.eval()
 
 
+def clip_grad_norm(optimizer, max_norm):
+    """Scales the gradients down so that their global norm, over all ranks and shards, is at most max_norm; returns
+    the norm before clipping, on the device (no host sync). After DDP's all-reduce every rank holds the whole
+    gradient, so its norm is the global one. Under FSDP each rank holds a shard, a DTensor whose norm comes out as a
+    partial sum: full_tensor() adds it up over the ranks (torch's clip_grad_norm_ returns the partial norm there,
+    pytorch/pytorch#170862)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def make_optimizer(args, model, steps_per_epoch):
     """The optimizer over the trainable parameters (with --freeze-backbone: the head only), and its schedule: linear
     warmup over --warmup-epochs, then cosine decay to 0, stepped per optimizer step."""
@@ -576,11 +629,15 @@ def make_optimizer(args, model, steps_per_epoch):
 
 
 # ---- checkpoint files: written atomically, read on the CPU, checked before use
+WRITING = set()  # the temporary files being written now
+
+
 def save_atomic(obj, path):
     """Write to a temporary file in the same folder, fsync, then rename over `path`: a process killed mid-save leaves
     the previous file intact. A SIGTERM or Ctrl-C that comes meanwhile takes effect once the file is in place (it
     would otherwise break into torch.save, whose writer then fails with an error that hides the signal)."""
     tmp, received = f"{path}.tmp{os.getpid()}", []
+    WRITING.add(tmp)  # removed by Watch if its time is up mid-write
     handlers = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with open(tmp, "wb") as f:
@@ -598,6 +655,7 @@ def save_atomic(obj, path):
             os.remove(tmp)
         raise
     finally:
+        WRITING.discard(tmp)
         for s, handler in handlers.items():
             signal.signal(s, handler)
     if received:
@@ -711,6 +769,7 @@ class Progress:
     def __init__(self, steps_per_epoch, global_batch, max_steps, device, saved=None):
         saved = saved or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
         self.epoch, self.saved_loss_sum = saved["epoch"], saved["loss_sum"]
+        self.saved_norms = saved.get("grad_norm_sum", 0.0), saved.get("applied_steps", 0)  # --clip-grad's
         self.step_in_epoch = saved.get("samples_in_epoch", saved["step_in_epoch"] * global_batch) // global_batch
         self.steps_per_epoch, self.global_batch, self.max_steps = steps_per_epoch, global_batch, max_steps
         self.step, self.device = self.epoch * steps_per_epoch + self.step_in_epoch, device
@@ -723,6 +782,9 @@ class Progress:
             self.epoch, self.step_in_epoch = epoch, 0
         carried = self.saved_loss_sum if self.step_in_epoch else 0.0
         self.loss_sum = torch.full((), carried, dtype=torch.float64, device=self.device)
+        norm_sum, applied = self.saved_norms if self.step_in_epoch else (0.0, 0)
+        self.norm_sum = torch.full((), norm_sum, dtype=torch.float64, device=self.device)
+        self.applied, self.clipping = torch.full((), applied, device=self.device), False
         self.t0 = self.train_time = None
         self.data_wait = 0.0
 
@@ -738,10 +800,16 @@ class Progress:
                 return
             yield batch
 
-    def step_done(self, loss):
-        """One optimizer step done, with this loss (0-dim, on the device)."""
+    def step_done(self, loss, grad_norm=None):
+        """One optimizer step done, with this loss and, under --clip-grad, this norm before clipping (0-dim, on the
+        device). A non-finite norm is an fp16 step that the scaler skipped: counted, not averaged."""
         self.first_bad = torch.where(~torch.isfinite(loss) & (self.first_bad == NEVER), self.step, self.first_bad)
         self.loss_sum += loss
+        if grad_norm is not None:
+            applied = torch.isfinite(grad_norm)
+            self.norm_sum += torch.where(applied, grad_norm.double(), 0.0)
+            self.applied += applied
+            self.clipping = True
         self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
         if self.t0 is None:  # time the steady state: from the end of the epoch's first step on
             self.t0, self.t0_step = synced_time(self.device), self.step
@@ -759,6 +827,14 @@ class Progress:
         share = self.data_wait / max(time.time() - self.t0, 1e-9) if self.t0 else 0.0
         return {"data_wait": f"{share:.0%}"} if share > 0.05 else {}
 
+    def grad_norms(self):
+        """{"grad_norm": mean norm before clipping over the applied steps (None if none), "skipped_steps"} under
+        --clip-grad, else {}: one host sync, at the epoch's end."""
+        if not self.clipping:
+            return {}
+        norm_sum, applied = self.norm_sum.item(), int(self.applied.item())
+        return {"grad_norm": norm_sum / applied if applied else None, "skipped_steps": self.step_in_epoch - applied}
+
     def end_epoch(self):
         self.train_time = synced_time(self.device) - self.t0 if self.t0 else 0.0
 
@@ -772,7 +848,9 @@ class Progress:
         epoch, steps = (self.epoch + 1, 0) if self.step_in_epoch == self.steps_per_epoch else (self.epoch,
                                                                                               self.step_in_epoch)
         return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.global_batch,
-                "loss_sum": loss_sum if steps else 0.0, "global_batch": self.global_batch}
+                "loss_sum": loss_sum if steps else 0.0, "global_batch": self.global_batch,
+                "grad_norm_sum": self.norm_sum.item() if steps else 0.0,
+                "applied_steps": int(self.applied.item()) if steps else 0}
 
 
 def synced_time(device):
@@ -802,7 +880,7 @@ def log_epoch(out_dir, writer, progress, row):
     row = {"epoch": progress.epoch + (1 if finished else progress.step_in_epoch / progress.steps_per_epoch),
            "step": progress.step, **row, "samples_per_s": progress.samples_per_s(),
            "epoch_time_s": progress.train_time, "data_wait_s": progress.data_wait,
-           "first_step_time": progress.first_step_time}
+           "first_step_time": progress.first_step_time, **progress.grad_norms()}
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if writer:
@@ -847,6 +925,130 @@ def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# ---- signals and hangs: a run stopped at a step every rank agrees on, and a rank that stops answering named
+class Watch:
+    """What keeps a run from ending without a checkpoint, or hanging without a word.
+
+    SIGUSR1 (a scheduler's notice before the time limit: `sbatch --signal`) and SIGTERM (preemption; a launcher
+    stopping its workers) only note themselves here. `step_done()`, called once a step, returns the signal once
+    every rank knows it, at the same step on every rank: the loop saves there and stops. After a SIGTERM the process
+    has SAVE_BUDGET_S to save and leave: past it, it leaves without the checkpoint (the previous last.pt stays
+    intact), before the launcher's SIGKILL (torchrun waits 30 s, SLURM's KillWait is 30 s by default). A second
+    SIGTERM, like Ctrl-C, ends the process at once. SIGUSR2 prints the Python stack of every thread.
+
+    Hangs: the process group starts with a generous timeout (start-up: data, downloads, the first step); after the
+    first step every collective gets `step_timeout` seconds. A thread writes this rank's step into the process
+    group's store every second, so that when a collective times out, `hangs_named` turns torch's error (gloo's
+    names neither the collective nor the rank) into one line: where this rank waited, and the ranks behind it."""
+    SAVE_BUDGET_S = 20
+    live = None  # this process's: the one hangs_named asks
+
+    def __init__(self, group, rank, step_timeout):
+        self.group, self.rank, self.step_timeout = group, rank, step_timeout
+        Watch.live = self
+        self.received, self.posted, self.step = 0, None, None
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(s, self.note)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it now?
+        if group is not None:
+            import torch.distributed as dist
+            # the store every rank met on (torchrun's, or rank 0's TCPStore): private API, as public torch has none
+            self.store = dist.PrefixStore("heartbeat/", dist.distributed_c10d._get_default_store())
+            threading.Thread(target=self.heartbeat, daemon=True).start()
+
+    def note(self, signum, _):
+        if signum == signal.SIGTERM:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one: at once, even inside a collective
+            threading.Thread(target=self.give_up, daemon=True).start()
+        self.received = max(self.received, signum)
+
+    def give_up(self):
+        time.sleep(self.SAVE_BUDGET_S)
+        if self.rank == 0:
+            print(f"SIGTERM: not saved and stopped within {self.SAVE_BUDGET_S:g} s: leaving without a new checkpoint "
+                  "(last.pt is the previous one)", file=sys.stderr, flush=True)
+        for tmp in list(WRITING):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        os._exit(128 + signal.SIGTERM)
+
+    def heartbeat(self):
+        while True:
+            with contextlib.suppress(Exception):  # a store that is gone is what the timeout's message will say
+                self.store.set(str(self.rank), str(self.step))
+            time.sleep(1)
+
+    def step_done(self, step):
+        """Once a step, on every rank: returns the signal that any rank has received (0: none), agreed through a
+        one-number all-reduce on a gloo group of its own, posted at this step and read at the next, so that no
+        step waits for it and no GPU stream is touched. One process (no group) answers at once."""
+        if self.step is None and self.group is not None:  # the first step is done: from now on, the step timeout
+            import torch.distributed as dist
+            # public as torch.distributed.set_timeout in newer torch (2.14 and 2.15 have it); 2.11 has only the
+            # private one. It applies to collectives started from now on, for gloo and NCCL alike
+            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+            for group in (None, self.group):
+                set_timeout(datetime.timedelta(seconds=self.step_timeout), group)
+        self.step = step
+        if self.group is None:
+            return self.received
+        import torch.distributed as dist
+        flag = torch.tensor(self.received)
+        posted, self.posted = self.posted, (flag, dist.all_reduce(flag, dist.ReduceOp.MAX, self.group, async_op=True))
+        if posted is None:
+            return 0
+        posted[1].wait()
+        return int(posted[0])
+
+    def hung(self, error):
+        """A Hung for torch's error of a collective that timed out: where this rank waited and who was behind."""
+        ours = [f for f in traceback.extract_tb(error.__traceback__)
+                if os.path.dirname(os.path.abspath(f.filename)) == HERE]
+        where = f"{ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else "?"
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+            steps = {r: self.store.get(str(r)).decode() for r in range(torch.distributed.get_world_size())}
+        except Exception:  # noqa: BLE001 (whatever the store raises: it is gone with the rank that held it)
+            return Hung(f"a collective timed out after {self.step_timeout:g} s in {where} at step {self.step}, and "
+                        "the store does not answer: rank 0, which holds it, is gone", print_it=True)
+        behind = {r: s for r, s in steps.items() if s == "None" or int(s) < (self.step or 0)}
+        who = (", ".join(f"rank {r} (at step {s})" for r, s in behind.items()) + " never arrived" if behind else
+               "no rank was behind in steps: one is stuck within this step")
+        return Hung(f"a collective timed out after {self.step_timeout:g} s in {where} at step {self.step}: {who}",
+                    print_it=self.rank == min(set(steps) - set(behind), default=0))
+
+
+def nccl_flight_recorder():
+    """NCCL's flight recorder on: it keeps each rank's last 2,000 collectives, and a timeout makes every rank dump
+    them to /tmp/nccl_trace_rank_<rank> on its node, where `python -m torch.distributed.flight_recorder.fr_trace
+    /tmp --prefix nccl_trace_rank_` names the collective and the ranks that never joined it. Set before the process
+    group is made; a variable already set wins."""
+    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                        ("TORCH_FR_DUMP_TEMP_FILE", "/tmp/nccl_trace_rank_")):
+        os.environ.setdefault(name, value)
+
+
+@contextlib.contextmanager
+def hangs_named():
+    """Around a script's main(): a collective that timed out after the first step, which torch reports as a
+    RuntimeError naming neither the collective nor the rank, is raised as a Hung that names them (see Watch)."""
+    try:
+        yield
+    except RuntimeError as e:
+        watch = Watch.live
+        if watch is not None and watch.received == signal.SIGTERM:  # told to stop, and a peer has left already
+            raise SystemExit(128 + signal.SIGTERM) from None
+        if watch is None or watch.group is None or "timed out" not in str(e).lower():
+            raise
+        raise watch.hung(e) from None
+
+
+def prints(e, rank):
+    """Whether this rank prints the error that ends the run: rank 0, as every rank raises it alike; only the
+    rank that knows it, for a BadFile (one rank read the file) or a Hung."""
+    return e.print_it if isinstance(e, Hung) else rank == 0 or isinstance(e, BadFile)
 
 
 # ---- processes: one of them does a thing while the others wait; torchrun's store across restarts

@@ -58,6 +58,8 @@ def setup_distributed(rank, world_size, args):  # [spawn]
         torch.cuda.set_device(device)
     common.set_cpu_threads(world_size)
     common.set_fast_math(device, args.deterministic)
+    if backend == "nccl":  # a timeout then dumps every rank's last collectives (common.nccl_flight_recorder)
+        common.nccl_flight_recorder()
     timeout = datetime.timedelta(minutes=10)  # a dead peer ends the run with an error instead of a hang
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return device
@@ -125,7 +127,8 @@ def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank, d
 
 
 def train_step(model, x, y, optimizer, scheduler, args):
-    """One optimizer step over --grad-accum micro-batches; returns its loss, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
+    norm before clipping, on the device (no host sync)."""
     step_loss = torch.zeros((), device=x.device)
     for micro, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum))):
         # no_sync: accumulate locally and all-reduce only once, with the last micro-batch of the step
@@ -133,13 +136,14 @@ def train_step(model, x, y, optimizer, scheduler, args):
             loss = F.cross_entropy(model(xm), ym) / args.grad_accum
             loss.backward()  # DDP averages the gradients over the ranks here, overlapped with the backward pass
         step_loss += loss.detach()
+    norm = common.clip_grad_norm(optimizer, args.clip_grad) if args.clip_grad else None  # of the summed gradients
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return step_loss
+    return step_loss, norm
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint):
+def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint, watch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
     loss over its steps and the ranks."""
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
@@ -148,16 +152,19 @@ def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device,
     for x, y in progress.timed(loader):  # counts the time spent waiting for data
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
         x = loader.normalize(x)  # image files come as uint8, 4x fewer bytes to copy: made float here, on the device
-        progress.step_done(train_step(model, x, y, optimizer, scheduler, args))
+        progress.step_done(*train_step(model, x, y, optimizer, scheduler, args))
+        stopping = watch.step_done(progress.step)  # a SIGUSR1/SIGTERM on any rank, known to all at this step
         bar.update()
-        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
+        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done or stopping:
             check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
             bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                             samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
         if progress.epoch_done:
             break
-        if progress.due(args.save_every):
+        if progress.due(args.save_every) or stopping:
             checkpoint()
+        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+            raise common.Stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
     return mean_over_ranks(progress.loss_sum) / progress.step_in_epoch
@@ -212,6 +219,9 @@ def main(rank, world_size, args):
     common.validate(args)
     device, local_rank = setup_distributed(rank, world_size, args), rank  # [spawn] one machine: local rank = rank
     master = rank == 0  # only rank 0 prints and writes files
+    # SIGUSR1 (the time limit is near) or SIGTERM (preemption): noted; every rank then saves at the same step, stops.
+    # Agreed on over a gloo group of its own, which leaves the GPU alone (and takes CPU tensors, unlike NCCL)
+    watch = common.Watch(dist.new_group(backend="gloo") if world_size > 1 else None, rank, args.step_timeout)
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     train_set, sampler, train_loader, val_loader = build_data(args, rank, world_size, device)
@@ -238,7 +248,7 @@ def main(rank, world_size, args):
         sampler.set_epoch(epoch)
         progress.start_epoch(epoch)
         train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, progress, args, device, memory_format,
-                                     checkpoint)
+                                     checkpoint, watch)
         # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
         for buffer in raw_model.buffers():
             dist.broadcast(buffer, src=0)
@@ -255,16 +265,17 @@ def main(rank, world_size, args):
 
 def worker(rank, world_size, args):
     """The body of each child process."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind through `finally`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # until common.Watch takes it
     try:
-        main(rank, world_size, args)
-    except (common.UsageError, common.NonFinite) as e:
+        with common.hangs_named():  # a collective timed out: one line, naming the ranks that never arrived
+            main(rank, world_size, args)
+    except (common.UsageError, common.NonFinite, common.Stopped, common.Hung) as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: the parent's SIGTERM must not cut this short
-        if rank == 0 or isinstance(e, common.BadFile):  # every rank raises the others: once
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized() and not isinstance(e, common.BadFile):  # (a BadFile's peers are still training)
+        if common.prints(e, rank):  # every rank raises the others alike: once
+            print(e if isinstance(e, common.Stopped) else f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized() and not isinstance(e, (common.BadFile, common.Hung)):  # (their peers are not here)
             dist.barrier()  # let rank 0 print before spawn, seeing a child exit, ends the others
-        sys.exit(2 if isinstance(e, common.UsageError) else 1)
+        sys.exit(common.exit_code(e))  # the table in docs/failures.md
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -289,13 +300,18 @@ if __name__ == "__main__":  # [spawn]
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     children = mp.spawn(worker, args=(nprocs, args), nprocs=nprocs, join=False)
-    # SIGTERM or Ctrl-C to this parent: end the children too, never leave them running as orphans
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+    def pass_on(signum, _):  # a scheduler signals the process it started, this one: the children save and stop
+        for child in children.processes:
+            if child.is_alive():
+                os.kill(child.pid, signum)
+    signal.signal(signal.SIGUSR1, pass_on)
+    signal.signal(signal.SIGTERM, pass_on)  # (Ctrl-C reaches them all: they unwind, never left running as orphans)
     try:
         while not children.join():  # if one child fails, join ends the others and raises
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code not in (1, 2):  # 1, 2: the child printed why already; else it was killed: say so
+        if e.exit_code not in (1, 2, 143):  # the child said why already (143: stopped by SIGTERM); else: say so
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
     finally:

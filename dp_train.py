@@ -133,20 +133,23 @@ def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, gpus): 
 
 
 def train_step(forward, x, y, optimizer, scheduler, args):
-    """One optimizer step over --grad-accum micro-batches; returns its loss, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
+    norm before clipping, on the device (no host sync)."""
     step_loss = torch.zeros((), device=optimizer.param_groups[0]["params"][0].device)  # [dp] x may be on the CPU
     # [dp] one process: no gradients to synchronize, no no_sync()
     for xm, ym in zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum)):  # [dp]
         loss = forward(xm, ym)[0] / len(ym) / args.grad_accum  # [dp] the mean over the whole micro-batch
         loss.backward()  # [dp] DataParallel adds up the replicas' gradients on the first GPU
         step_loss += loss.detach()
+    norm = common.clip_grad_norm(optimizer, args.clip_grad) if args.clip_grad else None  # of the summed gradients
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return step_loss
+    return step_loss, norm
 
 
-def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint):
+def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint,
+                    watch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
     loss over its steps and the ranks."""
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
@@ -155,16 +158,19 @@ def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args
     for x, y in progress.timed(loader):  # counts the time spent waiting for data
         x = loader.normalize(x.to(device, non_blocking=True))  # [dp] image files come as uint8: made float on GPU 0
         x = x.contiguous(memory_format=memory_format)  # [dp] DataParallel scatters the batch to the GPUs itself
-        progress.step_done(train_step(forward, x, y, optimizer, scheduler, args))  # [dp]
+        progress.step_done(*train_step(forward, x, y, optimizer, scheduler, args))  # [dp]
+        stopping = watch.step_done(progress.step)  # a SIGUSR1/SIGTERM on any rank, known to all at this step
         bar.update()
-        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
+        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done or stopping:
             check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
             bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                             samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
         if progress.epoch_done:
             break
-        if progress.due(args.save_every):
+        if progress.due(args.save_every) or stopping:
             checkpoint()
+        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+            raise common.Stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
     return mean_over_ranks(progress.loss_sum) / progress.step_in_epoch
@@ -210,6 +216,7 @@ def main(args):
     common.validate(args)
     gpus, device = setup_devices(args)  # [dp]
     world_size, master = 1, True  # [dp] one process: DataParallel's GPUs are not ranks
+    watch = common.Watch(None, 0, args.step_timeout)  # [dp] SIGUSR1 (time limit near), SIGTERM: save, then stop
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     train_set, sampler, train_loader, val_loader = build_data(args, gpus, device)  # [dp]
@@ -236,7 +243,7 @@ def main(args):
         sampler.set_epoch(epoch)
         progress.start_epoch(epoch)
         train_loss = train_one_epoch(model, forward, train_loader, optimizer, scheduler, progress, args,  # [dp]
-                                     device, memory_format, checkpoint)
+                                     device, memory_format, checkpoint, watch)
         # [dp] no BatchNorm statistics to broadcast: one process holds the only copy of the model
         t1 = time.time()
         val = evaluate(forward, model, val_loader, device, memory_format)  # [dp] on every GPU
@@ -260,11 +267,11 @@ if __name__ == "__main__":  # [dp] one process: no launcher, no process group
                         help="the classic way: gather all outputs on one GPU and compute the loss there (more memory "
                         "on it)")
     args = parser.parse_args()
-    # SIGTERM (SLURM preemption, kill): unwind like Ctrl-C, through `finally` (a save in progress completes first)
+    # SIGTERM before main() hands it to common.Watch (which saves, then stops): unwind through `finally`
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         main(args)
-    except (common.UsageError, common.NonFinite) as e:
+    except (common.UsageError, common.NonFinite, common.Stopped) as e:
         if common.launcher_rank() == 0:  # started by mistake as several copies: one line, once
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, common.UsageError) else 1)
+            print(e if isinstance(e, common.Stopped) else f"error: {e}", file=sys.stderr)
+        sys.exit(common.exit_code(e))  # the table in docs/failures.md

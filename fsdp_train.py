@@ -77,6 +77,8 @@ def setup_distributed(args):
         torch.cuda.set_device(device)
     common.set_cpu_threads(local_world_size)
     common.set_fast_math(device, args.deterministic)
+    if backend == "nccl":  # a timeout then dumps every rank's last collectives (common.nccl_flight_recorder)
+        common.nccl_flight_recorder()
     timeout = datetime.timedelta(minutes=10)  # a dead peer ends the run with an error instead of a hang
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun: meet on its store, under a prefix fresh for every restart attempt (see common.torchrun_store)
@@ -153,7 +155,8 @@ def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank, d
 
 
 def train_step(model, x, y, optimizer, scheduler, args):
-    """One optimizer step over --grad-accum micro-batches; returns its loss, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
+    norm before clipping, on the device (no host sync)."""
     step_loss = torch.zeros((), device=x.device)
     # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad, where they add up. Skipping that
     # (set_requires_gradient_sync(False), FSDP's no_sync) would save communication but keep full-size gradients on
@@ -164,13 +167,14 @@ def train_step(model, x, y, optimizer, scheduler, args):
         step_loss += loss.detach()
     # gradients exist from backward to zero_grad: what this rank holds of them is measured here
     train_step.grad_bytes = local_bytes(p.grad for p in model.parameters() if p.grad is not None)  # [fsdp]
+    norm = common.clip_grad_norm(optimizer, args.clip_grad) if args.clip_grad else None  # of the summed gradients
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return step_loss
+    return step_loss, norm
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint):
+def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint, watch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
     loss over its steps and the ranks."""
     common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
@@ -179,16 +183,19 @@ def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device,
     for x, y in progress.timed(loader):  # counts the time spent waiting for data
         x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
         x = loader.normalize(x)  # image files come as uint8, 4x fewer bytes to copy: made float here, on the device
-        progress.step_done(train_step(model, x, y, optimizer, scheduler, args))
+        progress.step_done(*train_step(model, x, y, optimizer, scheduler, args))
+        stopping = watch.step_done(progress.step)  # a SIGUSR1/SIGTERM on any rank, known to all at this step
         bar.update()
-        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done:
+        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done or stopping:
             check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
             bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                             samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
         if progress.epoch_done:
             break
-        if progress.due(args.save_every):
+        if progress.due(args.save_every) or stopping:
             checkpoint()
+        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+            raise common.Stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
     return mean_over_ranks(progress.loss_sum) / progress.step_in_epoch
@@ -298,6 +305,9 @@ def main(args):
     common.validate(args)
     rank, world_size, local_rank, device = setup_distributed(args)
     master = rank == 0  # only rank 0 prints and writes files
+    # SIGUSR1 (the time limit is near) or SIGTERM (preemption): noted; every rank then saves at the same step, stops.
+    # Agreed on over a gloo group of its own, which leaves the GPU alone (and takes CPU tensors, unlike NCCL)
+    watch = common.Watch(dist.new_group(backend="gloo") if world_size > 1 else None, rank, args.step_timeout)
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     train_set, sampler, train_loader, val_loader = build_data(args, rank, world_size, device)
@@ -326,7 +336,7 @@ def main(args):
         sampler.set_epoch(epoch)
         progress.start_epoch(epoch)
         train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, progress, args, device, memory_format,
-                                     checkpoint)
+                                     checkpoint, watch)
         # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones).
         # FSDP2 shards parameters only: buffers stay whole on every rank and are never synchronized (DDP broadcasts
         # rank 0's at every forward)
@@ -363,18 +373,19 @@ if __name__ == "__main__":
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    # SIGTERM (SLURM preemption, torchrun stopping its workers): unwind like Ctrl-C, through `finally`
+    # SIGTERM before main() hands it to common.Watch (which saves, then stops): unwind through `finally`
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        main(args)
-    except (common.UsageError, common.NonFinite) as e:
+        with common.hangs_named():  # a collective timed out: one line, naming the ranks that never arrived
+            main(args)
+    except (common.UsageError, common.NonFinite, common.Stopped, common.Hung) as e:
         # leaving anyway: torchrun's SIGTERM, sent once a first rank has exited, must not cut this short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if launcher_env()[0] == 0 or isinstance(e, common.BadFile):  # every rank raises the others: once
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        if common.prints(e, launcher_env()[0]):  # every rank raises the others alike: once
+            print(e if isinstance(e, common.Stopped) else f"error: {e}", file=sys.stderr, flush=True)
         else:
             time.sleep(0.5)  # and rank 0 says why before the others exit
-        sys.exit(2 if isinstance(e, common.UsageError) else 1)
+        sys.exit(common.exit_code(e))  # the table in docs/failures.md
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

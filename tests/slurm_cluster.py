@@ -75,7 +75,8 @@ class Cluster:
             f"SlurmdPort={free_port()}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.path('munge.sock')}",
+            # cred_expire: also how long a requeued job waits before it may start again (default 120 s)
+            f"AuthInfo=socket={self.path('munge.sock')},cred_expire=10",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={self.path('state')}",

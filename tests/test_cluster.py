@@ -266,8 +266,9 @@ def test_the_deprecated_launcher_on_two_nodes_trains_as_torchrun(reference, tmp_
 
 
 # ---- 4. SLURM
-def sbatch(cluster, args, tmp_path, cwd=REPO):
-    """Submit a batch job and wait for its end (polling faster than `sbatch --wait`); fail unless it completed."""
+def sbatch(cluster, args, tmp_path, cwd=REPO, signal_once=None):
+    """Submit a batch job and wait for its end (polling faster than `sbatch --wait`); fail unless it completed.
+    signal_once: (file, signal name): once the file exists, send the signal to the batch script, as --signal=B:..."""
     env = clean_env(cluster.env())
     submitted = run(["sbatch", "--parsable", "--time=2", *args], tmp_path / "sbatch.log", env=env, cwd=cwd)
     job = re.findall(r"^(\d+)(?:;\S*)?$", submitted, re.M)[-1]  # "<job id>[;<cluster>]", after any warnings
@@ -276,7 +277,10 @@ def sbatch(cluster, args, tmp_path, cwd=REPO):
         info = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True,
                               env=env, timeout=30).stdout
         state = re.search(r"JobState=(\S+)", info)
-        if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        if signal_once and Path(signal_once[0]).exists():
+            subprocess.run(["scancel", "--batch", f"--signal={signal_once[1]}", job], env=env, timeout=30, check=True)
+            signal_once = None
+        if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
             break
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job], env=env, timeout=30)
@@ -323,6 +327,23 @@ def test_the_example_sbatch_script_trains_on_the_cluster(slurm_cluster, referenc
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
+@pytest.mark.slow
+def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_exactly(slurm_cluster, reference,
+                                                                                      tmp_path):
+    # what --signal=B:USR1@120 does near the time limit: SIGUSR1 to the batch script, here once the first checkpoint
+    # is written (step 4 of epoch 1); the script passes it on, the tasks save and stop, the job requeues itself
+    out = tmp_path / "run"
+    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={tmp_path / 'job.out'}",
+                           REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path,
+           signal_once=(out / "last.pt", "USR1"))
+    log = (tmp_path / "job.out").read_text()  # both runs of the job: the script opens it to append
+    stopped = re.findall(r"stopped by SIGUSR1 at step (\d+), where last.pt was saved", log)
+    assert len(stopped) == 1 and "requeued" in log, log[-3000:]
+    assert f"resuming at step {stopped[0]}" in log and 4 < int(stopped[0]) < STEPS_PER_EPOCH, log[-3000:]
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
+
+
 # ---- 5. a process killed while it writes a checkpoint leaves the previous one intact
 DIE_IN_SECOND_SAVE = r"""
 import io, os, runpy, shutil, signal, sys
@@ -365,3 +386,116 @@ def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_intact(tmp
     log = run([sys.executable, "ddp_launch_train.py", *TINY, "--epochs", "1", "--out-dir", out], tmp_path / "log2")
     assert "resuming at step 4" in log
     assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 1
+
+
+# ---- 6. a signal saves the run where it is and stops it; a rank that stops answering is named
+WRAP = r"""
+import os, runpy, sys, time
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+import common, torch
+if os.environ.get("TEST_HANG_AT"):  # "rank:step": that rank stops answering after that step
+    rank, step = map(int, os.environ["TEST_HANG_AT"].split(":"))
+    step_done = common.Watch.step_done
+    def hang(self, s):
+        if self.rank == rank and s == step:
+            time.sleep(3600)
+        return step_done(self, s)
+    common.Watch.step_done = hang
+if os.environ.get("TEST_SLOW_SAVES"):  # a save budget of this many seconds; saving a checkpoint past step 4: an hour
+    common.Watch.SAVE_BUDGET_S = float(os.environ["TEST_SLOW_SAVES"])
+    save = torch.save
+    def slow(obj, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step_in_epoch", 0) > 4:
+            time.sleep(3600)
+        return save(obj, *args, **kwargs)
+    torch.save = slow
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"  # not a zombie
+    except OSError:
+        return False
+
+
+def start_and_signal(tmp_path, sig, *more, env=None):
+    """torchrun with 2 workers (no restarts) of ddp_launch_train.py; once the first checkpoint is written (step 4 of
+    epoch 1), `sig` to both workers. Returns (Proc, seconds from the signal to torchrun's exit, workers' pids)."""
+    (tmp_path / "wrap.py").write_text(WRAP)
+    out = tmp_path / "run"
+    proc = Proc(torchrun("--nproc_per_node=2", f"--master_port={free_port()}", tmp_path / "wrap.py")
+                + script_args("ddp_launch_train.py", out, *more), tmp_path / "log", env=clean_env(**(env or {})))
+    try:
+        while not (out / "last.pt").exists():
+            assert proc.p.poll() is None, f"the run ended before its first checkpoint\n{proc.output()[-3000:]}"
+            assert time.monotonic() < proc.deadline, "no checkpoint appeared"
+            time.sleep(0.01)
+        workers = [pid for pid in children(proc.p.pid) if "RANK" in worker_env(pid)]
+        assert len(workers) == 2, workers
+        t = time.monotonic()
+        for pid in workers:
+            os.kill(pid, sig)
+        proc.p.wait(timeout=60)
+        return proc, time.monotonic() - t, workers
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_sigterm_saves_where_the_workers_stopped_and_the_resume_ends_exactly(reference, tmp_path):
+    proc, seconds, _ = start_and_signal(tmp_path, signal.SIGTERM)
+    log, ckpt = proc.output(), torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)
+    stopped = re.findall(r"stopped by SIGTERM at step (\d+), where last.pt was saved", log)
+    assert len(stopped) == 1, f"expected one line from rank 0\n{log[-3000:]}"
+    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] == int(stopped[0]) > 4  # mid-epoch, after the first save
+    assert proc.p.returncode != 0 and seconds < 10, (proc.p.returncode, seconds)
+    print(f"SIGTERM to exit: {seconds:.2f} s")
+    log = run(torchrun("--nproc_per_node=2", f"--master_port={free_port()}")
+              + script_args("ddp_launch_train.py", tmp_path / "run"), tmp_path / "log2")
+    assert f"resuming at step {stopped[0]}" in log
+    assert [r["epoch"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert_same_weights(weights(tmp_path / "run" / "last.pt"), reference("ddp_launch_train.py"))
+
+
+@pytest.mark.slow
+def test_sigterm_past_the_save_budget_leaves_the_previous_checkpoint(tmp_path):
+    proc, seconds, _ = start_and_signal(tmp_path, signal.SIGTERM, env={"TEST_SLOW_SAVES": "2"})
+    log = proc.output()
+    assert log.count("not saved and stopped within 2 s: leaving without a new checkpoint") == 1, log[-3000:]
+    assert 2 <= seconds < 10 and proc.p.returncode != 0, (seconds, proc.p.returncode)
+    ckpt = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (0, 4)  # the one written before the signal, intact
+    assert [p.name for p in (tmp_path / "run").iterdir() if ".tmp" in p.name] == []  # its half-written successor: gone
+
+
+@pytest.mark.slow
+@pytest.mark.floor
+def test_a_rank_that_stops_answering_is_named_and_every_process_ends(tmp_path):
+    (tmp_path / "wrap.py").write_text(WRAP)
+    proc = Proc(torchrun("--nproc_per_node=2", f"--master_port={free_port()}", tmp_path / "wrap.py")
+                + script_args("ddp_launch_train.py", tmp_path / "run", "--step-timeout", "3"), tmp_path / "log",
+                env=clean_env(TEST_HANG_AT="1:6"))
+    try:
+        t = time.monotonic()
+        while not (tmp_path / "run" / "last.pt").exists() and proc.p.poll() is None:
+            time.sleep(0.01)
+        t = time.monotonic()  # step 4: the hang is 2 steps away
+        tree = [proc.p.pid] + descendants(proc.p.pid)
+        proc.p.wait(timeout=60)
+        seconds = time.monotonic() - t
+    finally:
+        proc.kill()
+    log = proc.output()
+    named = re.findall(r"error: a collective timed out after 3 s in (\w+) .* at step 6: rank 1 \(at step 5\) never "
+                       r"arrived", log)
+    assert len(named) == 1, f"expected one line naming rank 1\n{log[-3000:]}"
+    print(f"hang to exit: {seconds:.1f} s (step timeout 3 s), timed out in {named[0]}")
+    assert seconds < 3 + 30, seconds  # the step timeout, then at most torchrun's SIGTERM and the 20 s save budget
+    alive = [pid for pid in tree if running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes left: {alive}"

@@ -19,6 +19,7 @@ from conftest import checkpoint, max_diff, metrics, run
 TOL = 1e-4
 BASE = ["--train-size", 384, "--val-size", 101, "--epochs", 3, "--log-every", 8]
 GLOBAL_BATCH = 24
+CLIP = 0.5  # --clip-grad: below the gradient norm of most steps of these runs
 
 
 def per_process(n, accum=1):
@@ -34,6 +35,8 @@ RUNS = {  # name: (script, launcher, processes, extra args)
     "accum2": ("ddp_launch_train.py", "torchrun", 2, per_process(2, accum=2)),
     "seed1": ("ddp_launch_train.py", "torchrun", 1, per_process(1) + ["--seed", 1]),
     "dropout2": ("ddp_launch_train.py", "torchrun", 2, per_process(2) + ["--model", "squeezenet1_1"]),  # Dropout(0.5)
+    **{f"clip{n}": ("ddp_launch_train.py", "torchrun", n, per_process(n) + ["--clip-grad", CLIP]) for n in (1, 2, 3)},
+    "clip_fsdp2": ("fsdp_train.py", "torchrun", 2, per_process(2) + ["--clip-grad", CLIP]),
 }
 
 
@@ -96,6 +99,55 @@ def test_compile_changes_only_speed(proof_run, session_dir):
 def test_grad_accumulation(proof_run):
     assert_same_weights(checkpoint(proof_run("accum1"))["model"], checkpoint(proof_run("launch1"))["model"], proof_run)
     assert_same_weights(checkpoint(proof_run("accum2"))["model"], checkpoint(proof_run("launch2"))["model"], proof_run)
+
+
+@pytest.mark.slow
+def test_clip_grad_clips_the_global_norm(proof_run):
+    """--clip-grad active on most steps: 1, 2 and 3 processes (DDP) and 2 FSDP ranks (each holding a shard of the
+    gradients) end with the same weights, which differ from the unclipped run's."""
+    ref = checkpoint(proof_run("clip2"))["model"]
+    for name in ("clip1", "clip3", "clip_fsdp2"):
+        diff = max_diff(checkpoint(proof_run(name))["model"], ref)
+        assert diff <= TOL, f"{name}: weights differ by {diff:.3g} > {TOL}"
+    unclipped = max_diff(ref, checkpoint(proof_run("launch2"))["model"])
+    assert unclipped >= 10 * TOL, unclipped  # the clipping changed the training: a difference that shows
+    rows = metrics(proof_run("clip2"))
+    assert all(r["grad_norm"] > 2 * CLIP and r["skipped_steps"] == 0 for r in rows), rows  # the norm before clipping
+    for name in ("clip1", "clip3", "clip_fsdp2"):  # the global norm, not a shard's
+        assert [r["grad_norm"] for r in metrics(proof_run(name))] == pytest.approx([r["grad_norm"] for r in rows],
+                                                                                  rel=1e-3)
+    assert "grad_norm" not in metrics(proof_run("launch2"))[0]  # only under --clip-grad
+
+
+def test_fp16_clips_the_unscaled_gradients():
+    """ddp_amp_train.train_step under fp16: the norm it returns and clips is the true gradients' (the scaled ones'
+    is 4096x larger), and the step applied is SGD on the clipped true gradients."""
+    import copy
+    import types
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ddp_amp_train
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 3)
+        by_hand = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        autocast = torch.autocast("cpu", dtype=torch.float16)
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        args = types.SimpleNamespace(grad_accum=1, clip_grad=0.01)
+        _, norm = ddp_amp_train.train_step(DDP(model), x, y, optimizer, scheduler, autocast, scaler, args)
+        with autocast:
+            loss = F.cross_entropy(by_hand(x), y)
+        loss.backward()
+        true = torch.nn.utils.get_total_norm([p.grad for p in by_hand.parameters()])
+        assert true > 10 * args.clip_grad and norm.item() == pytest.approx(true.item(), rel=1e-2)
+        for p, q in zip(model.parameters(), by_hand.parameters()):
+            assert torch.allclose(p, q - 0.1 * q.grad * args.clip_grad / true, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
 
 
 def single_process_eval(out_dir):
