@@ -993,6 +993,8 @@ class Watch:
                 set_timeout(datetime.timedelta(seconds=self.step_timeout), group)
         self.step = step
         if self.group is None:
+            if self.received:
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late second one must not kill it as it shuts down
             return self.received
         import torch.distributed as dist
         flag = torch.tensor(self.received)
@@ -1000,6 +1002,8 @@ class Watch:
         if posted is None:
             return 0
         posted[1].wait()
+        if posted[0]:  # agreed: the run saves and stops. A SIGUSR1 arriving late (e.g. sent to both srun and its
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # tasks) must not kill it as Python shuts down
         return int(posted[0])
 
     def hung(self, error):

@@ -350,8 +350,8 @@ import io, os, runpy, shutil, signal, sys
 import torch
 real_save, calls, last = torch.save, [], os.environ["TEST_LAST_PT"]
 def save(obj, f, *args, **kwargs):
-    calls.append(1)
-    if len(calls) < 2:
+    calls.append(isinstance(obj, dict) and "model" in obj)  # a checkpoint (torch also saves objects it sends)
+    if sum(calls) < 2:
         return real_save(obj, f, *args, **kwargs)
     shutil.copyfile(last, last + ".before")  # the checkpoint as it was when this save began
     buf = io.BytesIO()
