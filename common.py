@@ -774,6 +774,7 @@ class Progress:
         self.steps_per_epoch, self.global_batch, self.max_steps = steps_per_epoch, global_batch, max_steps
         self.step, self.device = self.epoch * steps_per_epoch + self.step_in_epoch, device
         self.first_bad, self.first_step_time = torch.full((), NEVER, device=device), None
+        self.start_epoch(self.epoch)
 
     def start_epoch(self, epoch):
         """A resumed epoch keeps its steps and the loss sum of its saved part (the same on every rank, so the mean

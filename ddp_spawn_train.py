@@ -266,6 +266,7 @@ def main(rank, world_size, args):
 def worker(rank, world_size, args):
     """The body of each child process."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # until common.Watch takes it
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # and SIGUSR1, which would kill it: there is nothing to save yet
     try:
         with common.hangs_named():  # a collective timed out: one line, naming the ranks that never arrived
             main(rank, world_size, args)

@@ -269,6 +269,7 @@ if __name__ == "__main__":  # [dp] one process: no launcher, no process group
     args = parser.parse_args()
     # SIGTERM before main() hands it to common.Watch (which saves, then stops): unwind through `finally`
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # and SIGUSR1, which would kill it: there is nothing to save yet
     try:
         main(args)
     except (common.UsageError, common.NonFinite, common.Stopped) as e:

@@ -17,8 +17,10 @@ The bare loop runs in a fresh process too, so that its start-up time and peak me
 With --precision bf16 only ddp_amp_train.py runs (the other scripts train in fp32 only), and its torchrun row.
 --shape 3x224x224 (for ImageNet models) passes --synthetic-shape to the scripts.
 
-Columns (medians over --repeats runs, interleaved: bare, scripts, bare, scripts, ... so that a shared machine's
-drifting speed falls on every row alike):
+Columns (medians over --repeats runs, interleaved: each repeat runs every row once, so that a shared machine's
+drifting speed falls on every row alike; and each repeat starts one row later than the one before, so that with
+as many repeats as rows every row runs once in every position. In a fixed order, a machine that slowed down within
+each repeat made every row look slower the later it ran):
   samples/s   steady state, global batch: from the end of the first optimizer step to the end of the last
               (CUDA-synchronized); the first step (allocation, cuDNN autotuning, compilation) is not timed
   ratio       samples/s over the bare loop's run of the same repeat, median over the repeats: what the script's
@@ -174,7 +176,7 @@ def main(a):
     rows = configs(a, threads)
     runs, threads_of = {(name, ws): [] for name, ws, _, _ in rows}, {(name, ws): t for name, ws, _, t in rows}
     for r in range(a.repeats):
-        for name, ws, cmd, t in rows:
+        for name, ws, cmd, t in rows[r % len(rows):] + rows[:r % len(rows)]:  # rotated: every row in every position
             runs[name, ws].append(run(cmd, t, a.timeout))
             print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {runs[name, ws][-1]['samples_per_s']:.1f} samples/s",
                   file=sys.stderr, flush=True)

@@ -321,7 +321,9 @@ def test_plain_python_in_an_sbatch_script_is_one_process(slurm_cluster, tmp_path
 def test_the_example_sbatch_script_trains_on_the_cluster(slurm_cluster, reference, tmp_path):
     out = tmp_path / "run"
     # one node with 2 CPUs: override the script's nodes, tasks and CPUs (and its output file) on the command line
-    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={tmp_path / 'job.out'}",
+    # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
+    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                           f"--output={tmp_path / 'job.out'}",
                            REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path)
     assert {r["world_size"] for r in metrics(out)} == {2}, (tmp_path / "job.out").read_text()[-3000:]
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
@@ -333,7 +335,9 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_ex
     # what --signal=B:USR1@120 does near the time limit: SIGUSR1 to the batch script, here once the first checkpoint
     # is written (step 4 of epoch 1); the script passes it on, the tasks save and stop, the job requeues itself
     out = tmp_path / "run"
-    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={tmp_path / 'job.out'}",
+    # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
+    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                           f"--output={tmp_path / 'job.out'}",
                            REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path,
            signal_once=(out / "last.pt", "USR1"))
     log = (tmp_path / "job.out").read_text()  # both runs of the job: the script opens it to append
@@ -421,9 +425,10 @@ def running(pid):
         return False
 
 
-def start_and_signal(tmp_path, sig, *more, env=None):
+def start_and_signal(tmp_path, sig, *more, env=None, stacks_first=False):
     """torchrun with 2 workers (no restarts) of ddp_launch_train.py; once the first checkpoint is written (step 4 of
-    epoch 1), `sig` to both workers. Returns (Proc, seconds from the signal to torchrun's exit, workers' pids)."""
+    epoch 1), `sig` to both workers (after a SIGUSR2 with stacks_first). Returns (Proc, seconds from the signal to
+    torchrun's exit, workers' pids)."""
     (tmp_path / "wrap.py").write_text(WRAP)
     out = tmp_path / "run"
     proc = Proc(torchrun("--nproc_per_node=2", f"--master_port={free_port()}", tmp_path / "wrap.py")
@@ -435,6 +440,9 @@ def start_and_signal(tmp_path, sig, *more, env=None):
             time.sleep(0.01)
         workers = [pid for pid in children(proc.p.pid) if "RANK" in worker_env(pid)]
         assert len(workers) == 2, workers
+        for pid in workers if stacks_first else []:
+            os.kill(pid, signal.SIGUSR2)
+        time.sleep(0.3 if stacks_first else 0)
         t = time.monotonic()
         for pid in workers:
             os.kill(pid, sig)
@@ -447,11 +455,14 @@ def start_and_signal(tmp_path, sig, *more, env=None):
 @pytest.mark.slow
 @pytest.mark.floor
 def test_sigterm_saves_where_the_workers_stopped_and_the_resume_ends_exactly(reference, tmp_path):
-    proc, seconds, _ = start_and_signal(tmp_path, signal.SIGTERM)
+    proc, seconds, _ = start_and_signal(tmp_path, signal.SIGTERM, stacks_first=True)
     log, ckpt = proc.output(), torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)
+    assert log.count("most recent call first") >= 2, log[-3000:]  # SIGUSR2: each worker printed its stacks...
+    assert 'ddp_launch_train.py", line' in log  # ...in the training script, and went on
     stopped = re.findall(r"stopped by SIGTERM at step (\d+), where last.pt was saved", log)
     assert len(stopped) == 1, f"expected one line from rank 0\n{log[-3000:]}"
-    assert ckpt["epoch"] == 0 and ckpt["step_in_epoch"] == int(stopped[0]) > 4  # mid-epoch, after the first save
+    assert ckpt["epoch"] * STEPS_PER_EPOCH + ckpt["step_in_epoch"] == int(stopped[0]) > 4  # after the first save
+    assert ckpt["step_in_epoch"] > 0  # and mid-epoch
     assert proc.p.returncode != 0 and seconds < 10, (proc.p.returncode, seconds)
     print(f"SIGTERM to exit: {seconds:.2f} s")
     log = run(torchrun("--nproc_per_node=2", f"--master_port={free_port()}")
@@ -459,6 +470,30 @@ def test_sigterm_saves_where_the_workers_stopped_and_the_resume_ends_exactly(ref
     assert f"resuming at step {stopped[0]}" in log
     assert [r["epoch"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
     assert_same_weights(weights(tmp_path / "run" / "last.pt"), reference("ddp_launch_train.py"))
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_spawn_parent_reaches_every_child_and_the_resume_ends_exactly(reference, tmp_path):
+    # a scheduler signals the process it started: here mp.spawn's parent, which passes it on to its children
+    out = tmp_path / "run"
+    proc = Proc([sys.executable, "ddp_spawn_train.py", "--nprocs", "2", *script_args("ddp_spawn_train.py", out)[1:]],
+                tmp_path / "log")
+    try:
+        while not (out / "last.pt").exists():
+            assert proc.p.poll() is None, f"the run ended before its first checkpoint\n{proc.output()[-3000:]}"
+            assert time.monotonic() < proc.deadline, "no checkpoint appeared"
+            time.sleep(0.01)
+        os.kill(proc.p.pid, signal.SIGUSR1)
+        log = proc.wait(expect=0)  # saved on SIGUSR1: exit 0, so that a launcher does not restart it
+    finally:
+        proc.kill()
+    stopped = re.findall(r"stopped by SIGUSR1 at step (\d+), where last.pt was saved", log)
+    ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    assert len(stopped) == 1 and ckpt["step_in_epoch"] == int(stopped[0]) > 4, log[-3000:]
+    log = run([sys.executable, "ddp_spawn_train.py", "--nprocs", "2", *script_args("ddp_spawn_train.py", out)[1:]],
+              tmp_path / "log2")
+    assert f"resuming at step {stopped[0]}" in log
+    assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))  # spawn trains as torchrun
 
 
 @pytest.mark.slow
