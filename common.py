@@ -21,6 +21,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader
@@ -954,7 +955,6 @@ class Watch:
             signal.signal(s, self.note)
         faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it now?
         if group is not None:
-            import torch.distributed as dist
             # the store every rank met on (torchrun's, or rank 0's TCPStore): private API, as public torch has none
             self.store = dist.PrefixStore("heartbeat/", dist.distributed_c10d._get_default_store())
             threading.Thread(target=self.heartbeat, daemon=True).start()
@@ -986,7 +986,6 @@ class Watch:
         one-number all-reduce on a gloo group of its own, posted at this step and read at the next, so that no
         step waits for it and no GPU stream is touched. One process (no group) answers at once."""
         if self.step is None and self.group is not None:  # the first step is done: from now on, the step timeout
-            import torch.distributed as dist
             # public as torch.distributed.set_timeout in newer torch (2.14 and 2.15 have it); 2.11 has only the
             # private one. It applies to collectives started from now on, for gloo and NCCL alike
             set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
@@ -997,7 +996,6 @@ class Watch:
             if self.received:
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late second one must not kill it as it shuts down
             return self.received
-        import torch.distributed as dist
         flag = torch.tensor(self.received)
         posted, self.posted = self.posted, (flag, dist.all_reduce(flag, dist.ReduceOp.MAX, self.group, async_op=True))
         if posted is None:
@@ -1014,7 +1012,7 @@ class Watch:
         where = f"{ours[-1].name} ({os.path.basename(ours[-1].filename)}:{ours[-1].lineno})" if ours else "?"
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
-            steps = {r: self.store.get(str(r)).decode() for r in range(torch.distributed.get_world_size())}
+            steps = {r: self.store.get(str(r)).decode() for r in range(dist.get_world_size())}
         except Exception:  # noqa: BLE001 (whatever the store raises: it is gone with the rank that held it)
             return Hung(f"a collective timed out after {self.step_timeout:g} s in {where} at step {self.step}, and "
                         "the store does not answer: rank 0, which holds it, is gone", print_it=True)
@@ -1061,7 +1059,6 @@ def on_rank0(fn, rank):
     """fn() where `rank` is 0, while the other processes wait: give the global rank for once in all (rank 0 decides
     and reads; nodes need not share a filesystem), the local rank for once per machine. A UsageError of any of them
     is raised on every rank, so that no rank is left waiting in a collective for one that failed."""
-    import torch.distributed as dist
     result, error = None, None
     if rank == 0:
         try:
@@ -1088,7 +1085,6 @@ def torchrun_store(rank, world_size, timeout):
     counts differ per node); remove this when init_process_group alone survives tests/test_cluster.py's restarts."""
     import time
 
-    import torch.distributed as dist
     if os.environ["MASTER_PORT"] == "0":
         raise UsageError("torchrun --master_port=0 tells the workers port 0: give a free port, or use --standalone")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
