@@ -957,7 +957,9 @@ class Watch:
         if group is not None:
             # the store every rank met on (torchrun's, or rank 0's TCPStore): private API, as public torch has none
             self.store = dist.PrefixStore("heartbeat/", dist.distributed_c10d._get_default_store())
-            threading.Thread(target=self.heartbeat, daemon=True).start()
+            self.stop = threading.Event()
+            self.beat = threading.Thread(target=self.heartbeat, daemon=True)
+            self.beat.start()
 
     def note(self, signum, _):
         if signum == signal.SIGTERM:
@@ -979,7 +981,22 @@ class Watch:
         while True:
             with contextlib.suppress(Exception):  # a store that is gone is what the timeout's message will say
                 self.store.set(str(self.rank), str(self.step))
-            time.sleep(1)
+            if self.stop.wait(1):
+                return
+
+    def close(self):
+        """Before the process group goes (hangs_named calls it): no thread of torch's or ours may be left holding a
+        tensor or the store while Python shuts down. A thread that touches Python then, such as gloo's worker freeing
+        the flag of the last step's all-reduce, aborts the process ("terminate called without an active exception",
+        exit code -6, after a finished run). So: the last flag's all-reduce finished (every rank posted it; at most
+        5 s where a peer is gone), and the heartbeat stopped."""
+        if self.posted is not None:
+            with contextlib.suppress(Exception):  # timed out, or a peer gone: the run is ending with an error anyway
+                self.posted[1].wait(datetime.timedelta(seconds=5))
+            self.posted = None
+        if self.group is not None:
+            self.stop.set()
+            self.beat.join(timeout=5)
 
     def step_done(self, step):
         """Once a step, on every rank: returns the signal that any rank has received (0: none), agreed through a
@@ -1046,6 +1063,9 @@ def hangs_named():
         if watch is None or watch.group is None or "timed out" not in str(e).lower():
             raise
         raise watch.hung(e) from None
+    finally:
+        if Watch.live is not None:
+            Watch.live.close()
 
 
 def prints(e, rank):

@@ -70,8 +70,6 @@ FINETUNE = ["--model", "resnet18", "--pretrained", "--freeze-backbone", "--image
 
 @pytest.mark.slow
 @pytest.mark.floor
-@pytest.mark.slow
-@pytest.mark.floor
 def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_processes(torch_home, images, tmp_path):
     env = {"TORCH_HOME": str(torch_home)}
     data = ["--dataset", "imagefolder", "--data-dir", images]
