@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -81,9 +82,14 @@ def run(script, *args, nproc=None, launcher="python", env=None, check=True, time
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # first SIGUSR2, on which the scripts print every thread's Python stack (faulthandler): where it hung
+        state = "still running" if p.poll() is None else f"exited {p.returncode}, a process under it holding its output"
+        kill_tree(p.pid, signal.SIGUSR2)
+        time.sleep(2)
         kill_tree(p.pid)
         out, err = p.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
+        raise AssertionError(f"timed out after {timeout}s ({state}): {' '.join(cmd)}\n{out[-3000:]}\n"
+                             f"{err[-12000:]}") from None
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-3000:]}\n{err[-5000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
