@@ -230,12 +230,6 @@ def local_bytes(tensors):
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
-def local_bytes(tensors):
-    """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, its gradient or optimizer state)
-    only its local shard."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
-
-
 def held_bytes(model, optimizer, args):
     """What rank 0 holds between steps, for metrics.jsonl: its shards are the largest (the first ranks get ceil(n/N)
     rows)."""
