@@ -72,6 +72,9 @@ def setup_distributed(args):
                                 "GradScaler (fp16 under FSDP would need a sharded grad scaler)")
     if args.precision not in ("fp32", "bf16"):  # [fsdp]
         raise common.UsageError(f"unknown --precision {args.precision!r}: choose fp32 or bf16")
+    if args.replicate < 1 or world_size % args.replicate:  # [fsdp]
+        raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into "
+                                "equal groups: give a divisor, such as the number of machines")
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -125,8 +128,13 @@ def build_model(args, train_set, device, memory_format, rank, local_rank):
     if args.freeze_backbone:  # before sharding: the sharded parameters keep requires_grad
         common.freeze_backbone(raw_model, args.model, channels, classes)
     raw_model.to(device, memory_format=memory_format)
-    shard(raw_model, init_device_mesh(device.type, (dist.get_world_size(),)), args.precision,  # [fsdp]
-          args.reshard_after_forward)
+    # [fsdp] the ranks in a mesh: 1-D, every rank holds 1/N; HSDP (--replicate R), R groups of N/R ranks, each group
+    # sharding one whole copy (its all-gathers stay inside a group: a machine's fast links), gradients then
+    # all-reduced across the copies
+    replicas, shards = args.replicate, dist.get_world_size() // args.replicate
+    mesh = (init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")) if replicas > 1
+            else init_device_mesh(device.type, (shards,)))
+    shard(raw_model, mesh, args.precision, args.reshard_after_forward)  # [fsdp]
     if args.weights:  # [fsdp] FSDP2 does not broadcast at wrapping: set_model_state_dict sends them to every shard
         set_model_state_dict(raw_model, weights if rank == 0 else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -236,7 +244,8 @@ def held_bytes(model, optimizer, args):
     return {"param_bytes": local_bytes(model.parameters()), "grad_bytes": getattr(train_step, "grad_bytes", None),
             "optim_bytes": local_bytes(v for state in optimizer.state.values() for v in state.values()
                                        if torch.is_tensor(v)),
-            "precision": args.precision, "reshard_after_forward": args.reshard_after_forward}
+            "precision": args.precision, "reshard_after_forward": args.reshard_after_forward,
+            "replicate": args.replicate}
 
 
 def check_finite(first_bad):
@@ -322,7 +331,9 @@ def main(args):
         print(f"fsdp: {world_size} processes, backend {dist.get_backend()}, "  # [fsdp]
               f"device {device.type}, global batch {global_batch}, {args.precision}, "
               f"{'' if args.reshard_after_forward else 'no '}reshard after forward, "
-              f"{local_bytes(raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
+              + (f"HSDP: {args.replicate} copies of {world_size // args.replicate} shards, " if args.replicate > 1
+                 else "")
+              + f"{local_bytes(raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
               + (f", resuming at step {progress.step}" if progress.step else ""))
 
     for epoch in range(progress.epoch, args.epochs):
@@ -363,6 +374,10 @@ if __name__ == "__main__":
                         "its backward (default: least memory, ZeRO-3). --no-reshard-after-forward keeps them from "
                         "forward to backward (ZeRO-2-like): one all-gather fewer per block and step, for when the full "
                         "parameters fit next to the activations and communication is the bottleneck")
+    parser.add_argument("--replicate", type=int, default=1, metavar="R",  # [fsdp]
+                        help="HSDP: R copies of the model, each sharded over world size / R ranks (e.g. R = the "
+                        "number of machines: all-gathers stay inside a machine, only gradients cross between them). "
+                        "Default 1: every rank holds 1/world size")
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -65,7 +65,24 @@ def resnet(runs, script, nproc):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.floor), 3])
 def test_cnn_matches_ddp(runs, nproc):
-    fsdp, ddp = cnn(runs, FSDP, nproc), cnn(runs, DDP, nproc)
+    assert_trains_like_ddp(cnn(runs, FSDP, nproc), cnn(runs, DDP, nproc), nproc)
+
+
+@pytest.mark.slow
+def test_hsdp_matches_ddp_and_fsdp(runs):
+    """--replicate 2 on 4 processes: 2 copies, each sharded over 2 ranks. The same training as DDP on 4 and FSDP on
+    2 processes (global batch 24 in all three); each rank holds half the parameters, as under FSDP on 2."""
+    hsdp = runs("hsdp4", FSDP, 4, *CNN, "--batch-size", 6, "--replicate", 2)
+    assert_trains_like_ddp(hsdp, cnn(runs, DDP, 4), 4)
+    fsdp2 = cnn(runs, FSDP, 2)
+    assert max_diff(hsdp.ckpt["model"], fsdp2.ckpt["model"]) <= 1e-4
+    assert [r["param_bytes"] for r in hsdp.rows] == [r["param_bytes"] for r in fsdp2.rows]
+    assert hsdp.rows[0]["replicate"] == 2 and "HSDP: 2 copies of 2 shards" in hsdp.proc.stdout
+
+
+def assert_trains_like_ddp(fsdp, ddp, nproc):
+    """Runs of fsdp_train.py and ddp_launch_train.py on the same flags: the same weights, losses, accuracies and
+    checkpoint format."""
     assert fsdp.ckpt["model"].keys() == ddp.ckpt["model"].keys()
     assert max_diff(fsdp.ckpt["model"], ddp.ckpt["model"]) <= 1e-4
     # a bound that can fail: training moved the weights at least 100 times as far from their initialization
@@ -228,6 +245,7 @@ def test_bf16_trains_a_batchnorm_model(runs):
 @pytest.mark.parametrize("nproc,args,words", [
     (2, ["--sync-bn"], "ddp_launch_train.py --sync-bn"),
     (2, ["--precision", "fp16"], "bf16"),
+    (2, ["--replicate", 3], "--replicate 3 does not divide the 2 processes"),
     (1, ["--model", "nosuchnet"], "unknown --model"),  # the lone-process path: its whole stderr is the one line
 ])
 @pytest.mark.floor
