@@ -13,12 +13,15 @@ import json
 import math
 import os
 import pickle
+import re
 import resource
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -124,9 +127,16 @@ def get_parser(doc):
     a("--max-steps", type=int, help="stop after this many optimizer steps in all (quick runs, benchmarks)")
     a("--grad-accum", type=int, default=1, help="accumulate gradients of this many micro-batches per optimizer step")
     a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
-    a("--overwrite", action="store_true", help="start afresh in an --out-dir that holds a last.pt, replacing it")
-    a("--save-every", type=int, help="also write last.pt every N optimizer steps, not only at epoch ends")
-    a("--resume", help="checkpoint to continue from, or 'auto': the last.pt in --out-dir if there is one")
+    a("--overwrite", action="store_true", help="start afresh in an --out-dir that holds a checkpoint, replacing it")
+    a("--save-every", type=int, help="also save every N optimizer steps, not only at epoch ends")
+    a("--ckpt-format", choices=["file", "dcp"], default="file",
+      help="file: one last.pt, gathered whole to rank 0 (loads anywhere, even without torch.distributed); dcp: a "
+      "sharded checkpoint folder ckpt-<step>, every rank writing its own part, nothing gathered (for models whose "
+      "whole state does not fit one host; needs a filesystem every rank sees). Both reshard on --resume")
+    a("--async-save", action="store_true", help="with --ckpt-format dcp: write in the background while training goes "
+      "on (a copy of this rank's state in host memory meanwhile); a save on a signal is still synchronous")
+    a("--resume", help="checkpoint (last.pt or a ckpt-<step> folder) to continue from, or 'auto': the newest complete "
+      "one in --out-dir if there is one")
     a("--weights", help="initialize the model from this state_dict or checkpoint; tensors of other names or shapes "
       "(another head size or channel count) keep their fresh values. Optimizer and schedule start fresh")
     a("--clip-grad", type=float, metavar="MAX_NORM", help="clip the gradients' global norm (over all ranks and "
@@ -184,6 +194,8 @@ def validate(args):
                          "worth freezing")
     if args.overwrite and args.resume:
         raise UsageError("--overwrite starts afresh and --resume continues: choose one")
+    if args.async_save and args.ckpt_format != "dcp":
+        raise UsageError("--async-save needs --ckpt-format dcp (a last.pt is gathered and written by rank 0 alone)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -646,11 +658,7 @@ def save_atomic(obj, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the rename itself durable
-        finally:
-            os.close(fd)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException:  # a full disk: leave no partial file behind
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -661,6 +669,15 @@ def save_atomic(obj, path):
             signal.signal(s, handler)
     if received:
         signal.raise_signal(received[0])
+
+
+def fsync_dir(path):
+    """Make a rename in this folder durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_checkpoint(path):
@@ -684,23 +701,28 @@ def read_checkpoint(path):
 
 def find_checkpoint(resume, out_dir, model, freeze_backbone, global_batch):
     """The checkpoint --resume names, read and checked against this run (the model's names and shapes exactly, the
-    same global batch), or None for a fresh start."""
+    same global batch), or None for a fresh start. A sharded one (a ckpt-<step> folder) is checked from its
+    metadata and returned without its tensors, as {..., "sharded": its folder}: every rank then reads its own part
+    (load_sharded)."""
     if not resume:
         return None
-    path = os.path.join(out_dir, "last.pt") if resume == "auto" else resume
-    if resume == "auto" and not os.path.exists(path):
+    path = newest_checkpoint(out_dir) if resume == "auto" else resume
+    if path is None:
         return None
-    ckpt, state = read_checkpoint(path)
+    if os.path.isdir(path):
+        ckpt, shapes = read_sharded(path)
+    else:
+        ckpt, state = read_checkpoint(path)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
     own = model.state_dict()
     for k in own:
-        if k not in state or tuple(state[k].shape) != tuple(own[k].shape):
-            there = tuple(state[k].shape) if k in state else "missing"
-            raise UsageError(f"{path} does not hold this model: {k} is {there} there, {tuple(own[k].shape)} here "
-                             f"(another --model, or other classes or channels?)")
-    if set(state) != set(own):
+        if k not in shapes or shapes[k] != tuple(own[k].shape):
+            raise UsageError(f"{path} does not hold this model: {k} is {shapes.get(k, 'missing')} there, "
+                             f"{tuple(own[k].shape)} here (another --model, or other classes or channels?)")
+    if set(shapes) != set(own):
         raise UsageError(f"{path} does not hold this model: it has tensors this --model lacks, e.g. "
-                         f"{sorted(set(state) - set(own))[0]}")
-    if "optimizer" not in ckpt:
+                         f"{sorted(set(shapes) - set(own))[0]}")
+    if "optimizer" not in ckpt and "sharded" not in ckpt:
         raise UsageError(f"{path} holds weights only, not a training state to resume: use --weights {path}")
     a = ckpt.get("args", {})
     if a.get("freeze_backbone", False) != freeze_backbone:  # its optimizer holds other parameters
@@ -730,10 +752,141 @@ def claim_out_dir(out_dir, args):
     except BlockingIOError:
         raise UsageError(f"--out-dir {out_dir} is in use by another run that is still going: wait for it to end, "
                          "or give another --out-dir") from None
-    if os.path.exists(os.path.join(out_dir, "last.pt")) and not (args.resume or args.overwrite):
-        raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
-                         "starts afresh and replaces it, or give another --out-dir")
+    earlier = newest_checkpoint(out_dir)
+    if earlier and not (args.resume or args.overwrite):
+        raise UsageError(f"{out_dir} holds the {os.path.basename(earlier)} of an earlier run: --resume auto continues "
+                         "it, --overwrite starts afresh and replaces it, or give another --out-dir")
+    for name in os.listdir(out_dir):  # sharded saves that never completed (their run was killed): no use to anyone
+        if re.fullmatch(r"ckpt-\d+\.tmp", name):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return fd
+
+
+# ---- sharded checkpoints (--ckpt-format dcp): torch.distributed.checkpoint, every rank writing its own part
+def sharded_checkpoints(out_dir):
+    """The complete ckpt-<step> folders in out_dir, oldest first. Complete: its meta.pt is there, which is written
+    only once DCP has finished every rank's part and the .metadata."""
+    found = [os.path.join(out_dir, n) for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n)] \
+        if os.path.isdir(out_dir) else []
+    found = [p for p in found if os.path.isfile(os.path.join(p, "meta.pt"))]
+    return sorted(found, key=lambda p: os.stat(os.path.join(p, "meta.pt")).st_mtime_ns)
+
+
+def newest_checkpoint(out_dir):
+    """What --resume auto continues: the newest of out_dir's last.pt and complete ckpt-<step> folders, or None."""
+    found = sharded_checkpoints(out_dir)
+    last = os.path.join(out_dir, "last.pt")
+    if os.path.exists(last):
+        found.append(last)
+    mtime = lambda p: os.stat(os.path.join(p, "meta.pt") if os.path.isdir(p) else p).st_mtime_ns  # noqa: E731
+    return max(found, key=mtime, default=None)
+
+
+def read_sharded(path):
+    """(a ckpt-<step> folder's meta.pt with "sharded": path, {model tensor name: shape} from its .metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    if not (os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "meta.pt"))):
+        raise UsageError(f"{path} is not a complete sharded checkpoint (no .metadata or meta.pt): a save that was "
+                         "cut short? Give another one")
+    meta = torch.load(os.path.join(path, "meta.pt"), map_location="cpu", weights_only=True)
+    tensors = FileSystemReader(path).read_metadata().state_dict_metadata
+    shapes = {k[len("model."):]: tuple(v.size) for k, v in tensors.items() if k.startswith("model.")}
+    return {**meta, "sharded": path}, shapes
+
+
+def load_sharded(path, model, optimizer):
+    """On every rank: model and optimizer from a ckpt-<step> folder, each rank reading just what its own layout holds
+    (DDP: everything; FSDP: its shards), whatever the number of processes and the script that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.isdir(path))
+    if not all(seen):
+        raise UsageError(f"{path} is not there for rank(s) {[r for r, s in enumerate(seen) if not s]}: a sharded "
+                         "checkpoint must be on a filesystem that every rank sees")
+    model_state, optim_state = get_state_dict(model, optimizer)  # this rank's tensors, to be filled in place
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class ShardedCheckpoints:
+    """--ckpt-format dcp: each save is a folder ckpt-<step>, written by every rank with torch.distributed.checkpoint
+    (DCP), nothing gathered. DCP is not atomic, so it writes ckpt-<step>.tmp, and rank 0 renames it once complete
+    (after writing meta.pt: scheduler, position, generators, args). The newest KEEP stay.
+
+    --async-save: DCP copies this rank's state to host memory, returns, and writes in a thread while training goes
+    on. Its collectives run on a gloo group of their own: on the default group they would interleave with the
+    training's and gloo aborts the process. A new save, and the end of the run, first wait for the previous one."""
+    KEEP = 2
+
+    def __init__(self, out_dir, async_save, watch):
+        self.out_dir, self.watch, self.pending = out_dir, watch, None
+        self.group = dist.new_group(backend="gloo") if async_save else None
+
+    def save(self, step, model_state, optim_state, meta):
+        """On every rank. The save of a run told to stop (watch.stopping, the same on every rank) is synchronous."""
+        import torch.distributed.checkpoint as dcp
+        self.wait()
+        tmp, state = os.path.join(self.out_dir, f"ckpt-{step}.tmp"), {"model": model_state, "optimizer": optim_state}
+        if self.group is None or self.watch.stopping:
+            dcp.save(state, checkpoint_id=tmp)
+            self.commit(tmp, meta)
+        else:
+            self.pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), tmp, meta)
+
+    def wait(self):
+        """The save in the background, if any, finished and committed."""
+        if self.pending is not None:
+            future, tmp, meta = self.pending
+            self.pending = None
+            future.result()
+            self.commit(tmp, meta)
+
+    def commit(self, tmp, meta):
+        """Rank 0, once DCP has returned there: every rank's part and the .metadata are written (DCP's coordinator,
+        rank 0, writes .metadata after gathering every rank's results)."""
+        if dist.get_rank() != 0:
+            return
+        save_atomic(meta, os.path.join(tmp, "meta.pt"))
+        final = tmp[:-len(".tmp")]
+        if os.path.isdir(final):  # the same step saved again (a resumed run): the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(self.out_dir)
+        for old in sharded_checkpoints(self.out_dir)[:-self.KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def sharded_to_file(src, dst):
+    """A ckpt-<step> folder as one last.pt (whole tensors, loadable anywhere with weights_only=True), in one
+    process without a process group: python -c "import common; common.sharded_to_file('runs/x/ckpt-96', 'last.pt')\""""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    meta, _ = read_sharded(src)
+    whole = f"{dst}.tmp{os.getpid()}"
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, as meant
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_to_torch_save(src, whole)
+        state = torch.load(whole, map_location="cpu", weights_only=True)
+    finally:
+        if os.path.exists(whole):
+            os.remove(whole)
+    meta.pop("sharded")
+    save_atomic({"model": state["model"], "optimizer": state["optimizer"], **meta}, dst)
+
+
+def file_to_sharded(src, dst):
+    """A last.pt as a ckpt-<step> folder, in one process:
+    python -c "import common; common.file_to_sharded('last.pt', 'runs/x/ckpt-96')\""""
+    import torch.distributed.checkpoint as dcp
+    ckpt, _ = read_checkpoint(src)
+    tmp = f"{dst}.tmp"
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": ckpt.pop("model"), "optimizer": ckpt.pop("optimizer")}, checkpoint_id=tmp, no_dist=True)
+    save_atomic(ckpt, os.path.join(tmp, "meta.pt"))
+    os.replace(tmp, dst)
 
 
 # ---- random number generators: a checkpoint keeps each rank's, so that dropout draws on as if never stopped
@@ -950,7 +1103,7 @@ class Watch:
     def __init__(self, group, rank, step_timeout):
         self.group, self.rank, self.step_timeout = group, rank, step_timeout
         Watch.live = self
-        self.received, self.posted, self.step = 0, None, None
+        self.received, self.posted, self.step, self.stopping = 0, None, None, 0
         for s in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(s, self.note)
         faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it now?
@@ -1012,7 +1165,8 @@ class Watch:
         if self.group is None:
             if self.received:
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a late second one must not kill it as it shuts down
-            return self.received
+            self.stopping = self.received
+            return self.stopping
         flag = torch.tensor(self.received)
         posted, self.posted = self.posted, (flag, dist.all_reduce(flag, dist.ReduceOp.MAX, self.group, async_op=True))
         if posted is None:
@@ -1020,7 +1174,8 @@ class Watch:
         posted[1].wait()
         if posted[0]:  # agreed: the run saves and stops. A SIGUSR1 arriving late (e.g. sent to both srun and its
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # tasks) must not kill it as Python shuts down
-        return int(posted[0])
+        self.stopping = int(posted[0])
+        return self.stopping
 
     def hung(self, error):
         """A Hung for torch's error of a collective that timed out: where this rank waited and who was behind."""

@@ -122,6 +122,10 @@ def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, gpus): 
     """A checkpoint of any script of this collection, written with any number of processes. Returns the progress it
     saved, or None for a fresh start."""
     ckpt = common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone, global_batch)
+    if ckpt and "sharded" in ckpt:
+        raise common.UsageError(f"{ckpt['sharded']} is a sharded checkpoint: dp_train.py reads last.pt files. "
+                                f"Convert it: python -c \"import common; common.sharded_to_file('{ckpt['sharded']}', "
+                                "'last.pt')\"")
     if ckpt:
         options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
         set_model_state_dict(raw_model, ckpt["model"], options=options)
@@ -218,6 +222,8 @@ def main(args):
     world_size, master = 1, True  # [dp] one process: DataParallel's GPUs are not ranks
     watch = common.Watch(None, 0, args.step_timeout)  # [dp] SIGUSR1 (time limit near), SIGTERM: save, then stop
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    if args.ckpt_format == "dcp":  # [dp] one process holds everything: nothing to shard
+        raise common.UsageError("--ckpt-format dcp is for the multi-process scripts: dp_train.py writes last.pt")
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     train_set, sampler, train_loader, val_loader = build_data(args, gpus, device)  # [dp]
     raw_model, model, forward = build_model(args, train_set, device, memory_format, gpus)  # [dp]
@@ -255,6 +261,7 @@ def main(args):
         checkpoint()
         if progress.step == args.max_steps:
             break
+    # [dp] one process writes last.pt: no sharded checkpoint in the background to wait for
 
 
 if __name__ == "__main__":  # [dp] one process: no launcher, no process group

@@ -131,9 +131,9 @@ def build_model(args, train_set, device, memory_format, rank, local_rank):
     # [fsdp] the ranks in a mesh: 1-D, every rank holds 1/N; HSDP (--replicate R), R groups of N/R ranks, each group
     # sharding one whole copy (its all-gathers stay inside a group: a machine's fast links), gradients then
     # all-reduced across the copies
-    replicas, shards = args.replicate, dist.get_world_size() // args.replicate
-    mesh = (init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")) if replicas > 1
-            else init_device_mesh(device.type, (shards,)))
+    replicas, shards = args.replicate, dist.get_world_size() // args.replicate  # [fsdp]
+    mesh = (init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))  # [fsdp]
+            if replicas > 1 else init_device_mesh(device.type, (shards,)))
     shard(raw_model, mesh, args.precision, args.reshard_after_forward)  # [fsdp]
     if args.weights:  # [fsdp] FSDP2 does not broadcast at wrapping: set_model_state_dict sends them to every shard
         set_model_state_dict(raw_model, weights if rank == 0 else {},
@@ -151,11 +151,14 @@ def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank, d
                                                           global_batch), rank)
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
-    if meta[0]:
+    if meta[0] and "sharded" in meta[0]:  # a ckpt-<step> folder: each rank reads what this run's layout holds
+        common.load_sharded(meta[0]["sharded"], raw_model, optimizer)
+    elif meta[0]:
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(raw_model, ckpt["model"] if rank == 0 else {}, options=options)
         set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"] if rank == 0 else {}, options=options)
+    if meta[0]:
         scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], rank, dist.get_world_size(), args.seed, [device])
@@ -290,18 +293,23 @@ def evaluate(model, loader, device, memory_format):
     return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
 
 
-def save(out_dir, raw_model, optimizer, scheduler, progress, args):
-    """Every rank joins (the state dicts may gather, the loss is averaged); rank 0 writes the whole training state:
-    plain names and whole tensors, loadable by any script, any number of processes, with or without a GPU."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
-    model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
+def save(out_dir, raw_model, optimizer, scheduler, progress, args, sharded):
+    """Every rank joins (the state dicts may gather, the loss is averaged). --ckpt-format file: rank 0 writes the whole
+    training state to last.pt: plain names and whole tensors, loadable by any script, any number of processes, with
+    or without a GPU. dcp: a ckpt-<step> folder of every rank's part (common.ShardedCheckpoints), which any script
+    reads back at any number of processes."""
     state = progress.state(mean_over_ranks(progress.loss_sum))
     rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(common.rng_state([progress.device]), rngs)  # every rank's random number generators
+    meta = {"scheduler": scheduler.state_dict(), **state, "rng": rngs, "args": vars(args),
+            "world_size": dist.get_world_size()}
+    if sharded:  # --ckpt-format dcp: each rank writes the tensors it holds, nothing is gathered
+        sharded.save(progress.step, *get_state_dict(raw_model, optimizer), meta)
+        return
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+    model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
     if dist.get_rank() == 0:
-        common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                            **state, "rng": rngs, "args": vars(args), "world_size": dist.get_world_size()},
-                           os.path.join(out_dir, "last.pt"))
+        common.save_atomic({"model": model_state, "optimizer": optim_state, **meta}, os.path.join(out_dir, "last.pt"))
 
 
 def main(args):
@@ -312,6 +320,8 @@ def main(args):
     # Agreed on over a gloo group of its own, which leaves the GPU alone (and takes CPU tensors, unlike NCCL)
     watch = common.Watch(dist.new_group(backend="gloo") if world_size > 1 else None, rank, args.step_timeout)
     out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    # --ckpt-format dcp: sharded checkpoints, each rank writing its own part (--async-save: in the background)
+    sharded = common.ShardedCheckpoints(out_dir, args.async_save, watch) if args.ckpt_format == "dcp" else None
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     train_set, sampler, train_loader, val_loader = build_data(args, rank, world_size, device)
     raw_model, model = build_model(args, train_set, device, memory_format, rank, local_rank)
@@ -321,7 +331,7 @@ def main(args):
     out_lock = common.on_rank0(lambda: common.claim_out_dir(out_dir, args), rank)  # noqa: F841
     saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank, device)
     progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
-    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args)
+    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args, sharded)
     if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
@@ -357,6 +367,8 @@ def main(args):
         checkpoint()
         if progress.step == args.max_steps:
             break
+    if sharded:  # the last save, if written in the background, finished
+        sharded.wait()
     # no rank tears its process group down while a peer may still be finishing the last all-gathers (of the save)
     dist.barrier()  # [fsdp]
 

@@ -36,9 +36,10 @@ def comments(source):
 DROP = "# (a tagged comment: the reference's statements here may go)"
 
 
-def flatten(nodes, tagged, notes, depth=0):
+def flatten(nodes, tagged, notes, depth=0, end=None):
     """[(depth, code, is_tagged)] for these statements, a compound one as its header followed by its blocks; a
-    tagged comment line of its own (in `notes`, line numbers) as DROP, where it stands."""
+    tagged comment line of its own (in `notes`, line numbers) as DROP, where it stands, up to line `end` (a function
+    body's: after its last statement)."""
     out, previous = [], nodes[0].lineno - 1 if nodes else 0
     for node in nodes:
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
@@ -63,7 +64,7 @@ def flatten(nodes, tagged, notes, depth=0):
             if field != "body":
                 out.append((depth, f"{field}:", False))
             out += flatten(block, tagged, notes, inner)
-    return out
+    return out + [(depth, DROP, True) for n in notes if end is not None and previous < n <= end]
 
 
 def steps(script, source=None):
@@ -74,8 +75,8 @@ def steps(script, source=None):
     tagged = lambda first, last: bool(tag) and any(tag in marks.get(n, "") for n in range(first, last + 1))
     lines = source.splitlines()
     notes = [n for n, text in marks.items() if tag and tag in text and lines[n - 1].lstrip().startswith("#")]
-    found = {}
-    for node in ast.parse(source).body:
+    found, body = {}, ast.parse(source).body
+    for node, after in zip(body, body[1:] + [None]):
         if isinstance(node, ast.FunctionDef):
             name = node.name
         elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
@@ -83,7 +84,10 @@ def steps(script, source=None):
         else:
             continue
         own = tagged(node.lineno, node.body[0].lineno - 1)
-        found[name] = None if own else flatten(node.body, tagged, notes)
+        # a function's last lines may be a tagged comment, indented as its body, saying why the reference's go
+        end = max([n for n in notes if n < (after.lineno if after else len(lines) + 1)
+                   and len(lines[n - 1]) - len(lines[n - 1].lstrip()) > node.col_offset], default=None)
+        found[name] = None if own else flatten(node.body, tagged, notes, end=end)
     return found
 
 

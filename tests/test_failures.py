@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, checkpoint, clean_env, descendants, free_port, kill_tree, metrics, run
+import common
+from conftest import ROOT, checkpoint, clean_env, descendants, free_port, kill_tree, max_diff, metrics, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -46,6 +47,8 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "pretrained_offline": (["--model", "resnet18", "--pretrained"], "resnet18-f37072fd.pth (from https://download."
                            "pytorch.org/models/resnet18-f37072fd.pth) in {d}/torch_home/hub/checkpoints"),
     "missing_resume": (["--resume", "{d}/nope.pt"], "no such checkpoint"),
+    "incomplete_sharded": (["--resume", "{d}/empty"], "{d}/empty is not a complete sharded checkpoint"),
+    "async_save_file": (["--async-save"], "--async-save needs --ckpt-format dcp"),
     "device_cuda": (["--device", "cuda"], "no CUDA"),
     "backend_nccl": (["--backend", "nccl"], "nccl"),
     "batch_size_0": (["--batch-size", 0], "--batch-size"),
@@ -89,6 +92,64 @@ def test_bad_input(previous_run, name):
 def test_bad_input_other_scripts(tmp_path, script):
     assert "--batch-size" in one_error_line(run(script, "--batch-size", 0, "--out-dir", tmp_path, check=False))
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_dp_refuses_sharded_checkpoints_in_one_line_naming_the_conversion(previous_run, tmp_path):
+    p = run("dp_train.py", *TINY, "--ckpt-format", "dcp", "--out-dir", tmp_path / "a", check=False)
+    assert "--ckpt-format dcp is for the multi-process scripts" in one_error_line(p)
+    sharded = str(tmp_path / "ckpt-8")
+    common.file_to_sharded(str(previous_run / "out" / "last.pt"), sharded)
+    p = run("dp_train.py", *TINY, "--resume", sharded, "--out-dir", tmp_path / "b", check=False)
+    assert f"common.sharded_to_file('{sharded}', 'last.pt')" in one_error_line(p)
+
+
+def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path):
+    """last.pt -> ckpt folder -> last.pt, in this one process: the same keys and tensors, and the file loads with
+    weights_only=True into a plain model."""
+    original = checkpoint(str(previous_run / "out"))
+    common.file_to_sharded(str(previous_run / "out" / "last.pt"), str(tmp_path / "ckpt-8"))
+    assert sorted(os.listdir(tmp_path / "ckpt-8")) == [".metadata", "__0_0.distcp", "meta.pt"]
+    common.sharded_to_file(str(tmp_path / "ckpt-8"), str(tmp_path / "back.pt"))
+    back = checkpoint(str(tmp_path / "back.pt"))
+    assert back.keys() == original.keys()
+    assert max_diff(back["model"], original["model"]) == 0
+    assert back["optimizer"]["param_groups"] == original["optimizer"]["param_groups"]
+    for name, state in original["optimizer"]["state"].items():
+        assert max_diff(back["optimizer"]["state"][name], state) == 0
+    assert back["rng"][0]["cpu"].equal(original["rng"][0]["cpu"]) and back["scheduler"] == original["scheduler"]
+    common.make_model("cnn", 1, 10).load_state_dict(back["model"])
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL to every process while a ckpt-<step>.tmp is being written: --resume auto skips it (and a folder
+    without meta.pt, as a kill between DCP's end and the rename would leave), resumes from the newest complete
+    one and finishes the run."""
+    args = ["--train-size", 384, "--val-size", 20, "--batch-size", 12, "--epochs", 2, "--ckpt-format", "dcp",
+            "--out-dir", tmp_path]
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={free_port()}", "ddp_launch_train.py", *map(str, args), "--async-save",
+                          "--save-every", "1"], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        t = time.time()
+        while not [f for f in os.listdir(tmp_path) if f.endswith(".tmp") and f != "ckpt-1.tmp"]:
+            assert p.poll() is None and time.time() - t < 120, p.communicate()
+            time.sleep(0.005)
+        kill_tree(p.pid)  # mid-save
+        p.communicate()
+    finally:
+        kill_tree(p.pid)
+    saved = common.newest_checkpoint(str(tmp_path))
+    step = int(saved.split("-")[-1])
+    assert step >= 1 and os.path.isfile(os.path.join(saved, "meta.pt"))
+    (tmp_path / "ckpt-99").mkdir()  # complete by DCP's account, never renamed: no meta.pt
+    (tmp_path / "ckpt-99" / ".metadata").write_bytes((tmp_path / f"ckpt-{step}" / ".metadata").read_bytes())
+    r = run("ddp_launch_train.py", *args, "--resume", "auto", launcher="torchrun", nproc=2)
+    assert f"resuming at step {step}" in r.stdout
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []  # the cut-short save was cleared away
+    assert metrics(str(tmp_path))[-1]["step"] == 32
 
 
 def test_dp_gpus_naming_a_gpu_that_is_not_visible_is_one_line(tmp_path):
@@ -142,13 +203,15 @@ def wait_for(path, p, seconds=120):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [pytest.param("torchrun", marks=pytest.mark.floor), "spawn"])
+@pytest.mark.parametrize("launch", [pytest.param("torchrun", marks=pytest.mark.floor), "spawn", "torchrun-async"])
 def test_sigterm_ends_everything_cleanly(tmp_path, launch):
+    """Also with --async-save: the save on a signal is synchronous, complete before the processes end."""
     cmd = (["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "ddp_launch_train.py"]
-           if launch == "torchrun" else ["ddp_spawn_train.py", "--nprocs", "2"])
+           if launch.startswith("torchrun") else ["ddp_spawn_train.py", "--nprocs", "2"])
+    cmd += ["--ckpt-format", "dcp", "--async-save"] if launch == "torchrun-async" else []
     p = launch_long(cmd, tmp_path)
     try:
-        wait_for(tmp_path / "last.pt", p)  # training, with a checkpoint written
+        wait_for(tmp_path / ("ckpt-5" if launch == "torchrun-async" else "last.pt"), p)  # a checkpoint written
         workers = descendants(p.pid)
         assert len(workers) >= 2
         p.send_signal(signal.SIGTERM)  # as SLURM does on preemption
@@ -160,7 +223,11 @@ def test_sigterm_ends_everything_cleanly(tmp_path, launch):
     time.sleep(1)
     assert not [w for w in workers if alive(w)], "orphan worker processes"
     assert [f for f in os.listdir(tmp_path) if ".tmp" in f] == []  # no half-written file
-    checkpoint(str(tmp_path))  # the last checkpoint is complete
+    if launch == "torchrun-async":  # the last checkpoint is complete, saved at the step where it stopped
+        common.sharded_to_file(common.newest_checkpoint(str(tmp_path)), str(tmp_path / "converted.pt"))
+        assert checkpoint(str(tmp_path / "converted.pt"))["step_in_epoch"] > 5
+    else:
+        checkpoint(str(tmp_path))  # the last checkpoint is complete
 
 
 @pytest.mark.slow

@@ -180,6 +180,37 @@ def test_checkpoint_crosses_over(runs, first, second):
     assert resumed.ckpt["world_size"] == n2
 
 
+# ---- 3b. sharded checkpoints (--ckpt-format dcp) reshard on load: any script, any number of processes, HSDP too
+def newest_sharded(out_dir, tmp_path):
+    """The newest ckpt-<step> folder in out_dir, converted to a last.pt and read."""
+    path = common.newest_checkpoint(str(out_dir))
+    assert os.path.isdir(path), path
+    common.sharded_to_file(path, str(tmp_path / "converted.pt"))
+    return checkpoint(str(tmp_path / "converted.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("legs", [
+    [(DDP, 2, []), (FSDP, 3, []), (DDP, 1, [])],  # 2 -> 3 -> 1 processes, DDP -> FSDP -> DDP
+    # HSDP (2 copies of 2 shards) -> FSDP on 2 -> DDP on 3, the first leg saving in the background
+    [(FSDP, 4, ["--replicate", 2, "--async-save", "--save-every", 4]), (FSDP, 2, []), (DDP, 3, [])],
+], ids=["ddp2-fsdp3-ddp1", "hsdp4-fsdp2-ddp3"])
+def test_sharded_checkpoints_move_between_scripts_and_process_counts(runs, legs, tmp_path):
+    """Two epochs in three legs (to steps 10, 21 and 32), each resuming the previous leg's newest ckpt-<step>
+    folder: they end where two straight epochs of DDP on 2 processes end."""
+    out = tmp_path / "out"
+    for (script, nproc, extra), stop in zip(legs, [10, 21, None]):
+        launch(script, nproc, [*CNN, "--batch-size", 24 // nproc, "--ckpt-format", "dcp", "--resume", "auto",
+                               "--out-dir", out, *extra, *(["--max-steps", stop] if stop else [])])
+        ckpt = newest_sharded(out, tmp_path)
+        assert (ckpt["epoch"] * 16 + ckpt["step_in_epoch"], ckpt["world_size"]) == (stop or 32, nproc)
+    assert sorted(os.listdir(out)) == ["ckpt-21", "ckpt-32", "metrics.jsonl"]  # the newest 2 kept, nothing .tmp
+    straight = cnn(runs, DDP, 2)
+    assert max_diff(ckpt["model"], straight.ckpt["model"]) <= 1e-4
+    assert max_diff(ckpt["optimizer"]["state"]["fc1.weight"], straight.ckpt["optimizer"]["state"]["fc1.weight"]) <= 1e-4
+    assert metrics(str(out))[-1]["val_loss"] == pytest.approx(straight.rows[-1]["val_loss"], rel=1e-5)
+
+
 # ---- 4. bf16 learns as well as fp32
 @pytest.mark.slow
 def test_bf16_accuracy_close_to_fp32(runs):
