@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, free_port
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
 ROWS = {("bare", 1), ("dp_train.py", 1), ("ddp_launch_train.py", 1), ("ddp_spawn_train.py", 1), ("ddp_amp_train.py", 1),
@@ -83,3 +83,22 @@ def test_bad_arguments_exit_before_running_anything():
     assert p.returncode == 2 and "--steps must be at least 2" in p.stderr
     p = bench("--device", "cpu", "--batch-size", "7", timeout=120)  # 2-process rows need an even global batch
     assert p.returncode != 0 and "even --batch-size" in p.stderr
+
+
+@pytest.mark.slow
+def test_checkpoint_benchmark_times_every_format(tmp_path):
+    """benchmarks/checkpoint.py under torchrun: a row per format, each rank's numbers, and the saves on disk."""
+    out = tmp_path / "ckpt.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", os.path.join(ROOT, "benchmarks", "checkpoint.py"), "--model",
+                        "cnn", "--repeats", "1", "--out-dir", str(tmp_path / "saves"), "--json", str(out)],
+                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert [r["format"] for r in rows] == ["file", "dcp", "dcp --async-save"]
+    for r in rows:
+        assert r["world_size"] == 2 and len(r["runs"]) == 1 and len(r["rise_mib_per_rank"]) == 2
+        assert 0 < r["blocked_s"] <= r["written_s"]
+    assert os.listdir(tmp_path / "saves" / "file") == ["last.pt"]
+    # one trained step, then saves at steps 2, 3 and 4: file, dcp, async
+    assert os.listdir(tmp_path / "saves" / "dcp") == ["ckpt-3"] and os.listdir(tmp_path / "saves" / "async") == ["ckpt-4"]

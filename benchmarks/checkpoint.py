@@ -1,0 +1,142 @@
+"""What a save costs each rank: the time it is blocked in the script's own save() and the rise of its resident
+memory meanwhile, for --ckpt-format file (last.pt, gathered whole to rank 0), dcp (every rank writes its part) and
+dcp --async-save (every rank copies its part to host memory and writes it in a thread).
+
+    torchrun --nproc_per_node=2 benchmarks/checkpoint.py                        # fsdp_train.py, resnet50, AdamW
+    torchrun --nproc_per_node=2 benchmarks/checkpoint.py --script ddp_launch_train.py --json ckpt.json
+    torchrun --nproc_per_node=2 benchmarks/checkpoint.py --model cnn --repeats 1  # a smoke test
+
+Each rank builds the model and optimizer as the script does (build_model, common.make_optimizer), trains one step
+(so that the optimizer state exists: AdamW's is twice the parameters), then calls the script's save() --repeats
+times per format, the formats interleaved. A thread samples each rank's resident set size (/proc/self/statm) every
+2 ms: the rise is its peak during the save (until the background write has finished, for --async-save) less its
+size just before. `ru_maxrss` would not do: it is the lifetime peak. The table gives medians over the repeats, the
+slowest rank's time, and rank 0's rise (rank 0 is the one that gathers for last.pt).
+"""
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import common  # noqa: E402
+
+
+class Resident:
+    """The peak of this process's resident set size between start() and stop(), sampled in a thread."""
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def now(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.PAGE
+
+    def start(self):
+        self.before, self.peak, self.running = self.now(), 0, True
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    def sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.002)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return max(self.peak, self.now()) - self.before
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--script", default="fsdp_train.py", choices=["fsdp_train.py", "ddp_launch_train.py"],
+                   help="whose build_model and save() to time")
+    p.add_argument("--model", default="resnet50", help="cnn or a torchvision model")
+    p.add_argument("--repeats", type=int, default=3, help="saves per format, the formats interleaved")
+    p.add_argument("--out-dir", help="where to write (default: a temporary folder, removed afterwards)")
+    p.add_argument("--json", help="also write the results here")
+    bench = p.parse_args()
+
+    script = importlib.import_module(bench.script[:-3])
+    args = common.get_parser(script.__doc__).parse_args(
+        ["--model", bench.model, "--optimizer", "adamw", "--train-size", "64", "--val-size", "16", "--batch-size", "2",
+         "--synthetic-shape", "3x64x64", "--device", "cpu", "--workers", "0"])
+    args.backend, args.sync_bn, args.precision, args.reshard_after_forward, args.replicate = None, False, "fp32", True, 1
+    rank, world_size, local_rank, device = script.setup_distributed(args)
+    train_set, val_set = common.load_data(args)
+    raw_model, model = script.build_model(args, train_set, device, torch.contiguous_format, rank, local_rank)
+    optimizer, scheduler = common.make_optimizer(args, raw_model, 10)
+    x, y = train_set.x[:2], train_set.y[:2]
+    script.train_step(model, x, y, optimizer, scheduler, args)  # the optimizer state now exists
+    progress = common.Progress(10, 2 * world_size, None, device, None)
+    progress.start_epoch(0)
+    progress.step_done(torch.tensor(1.0), None)
+    watch = common.Watch(None, rank, 300)
+    held = sum(t.numel() * t.element_size() for t in [*raw_model.state_dict().values(), *[
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]])  # whole model + AdamW
+    scratch = tempfile.TemporaryDirectory() if bench.out_dir is None else None
+    root = bench.out_dir or scratch.name
+    if rank == 0:
+        share = f"each rank holds about 1/{world_size}" if bench.script == "fsdp_train.py" else "each rank holds all"
+        print(f"{bench.script}, {bench.model}, AdamW, {world_size} processes: {held / 2**20:.0f} MiB of model and "
+              f"optimizer state in all ({share}); writing to {root}", flush=True)
+    formats = {"file": None, "dcp": common.ShardedCheckpoints(os.path.join(root, "dcp"), False, watch),
+               "dcp --async-save": common.ShardedCheckpoints(os.path.join(root, "async"), True, watch)}
+    if rank == 0:
+        for name in ("file", "dcp", "async"):
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+    dist.barrier()
+    results = {name: [] for name in formats}
+    for repeat in range(bench.repeats):
+        for name, sharded in formats.items():
+            out_dir = os.path.join(root, "file") if sharded is None else sharded.out_dir
+            progress.step += 1  # a new ckpt-<step> folder each time
+            memory = Resident()
+            dist.barrier()
+            memory.start()
+            t = time.perf_counter()
+            script.save(out_dir, raw_model, optimizer, scheduler, progress, args, sharded)
+            blocked = time.perf_counter() - t
+            if sharded is not None:
+                sharded.wait()  # the background write, finished (at once for a synchronous save)
+            total, rise = time.perf_counter() - t, memory.stop()
+            every = [None] * world_size
+            dist.all_gather_object(every, (blocked, total, rise))
+            results[name].append(every)
+    if rank == 0:
+        rows = []
+        print("| format | blocked in save(), slowest rank (s) | until written (s) | rank 0's resident memory rise "
+              "(MiB) | each rank's rise (MiB) |")
+        print("|---|---|---|---|---|")
+        for name, runs in results.items():
+            row = {"format": name, "script": bench.script, "model": bench.model, "world_size": world_size,
+                   "state_mib": held / 2**20,
+                   "blocked_s": statistics.median(max(r[0] for r in run) for run in runs),
+                   "written_s": statistics.median(max(r[1] for r in run) for run in runs),
+                   "rank0_rise_mib": statistics.median(run[0][2] for run in runs) / 2**20,
+                   "rise_mib_per_rank": [statistics.median(run[k][2] for run in runs) / 2**20
+                                         for k in range(world_size)],
+                   "runs": runs}
+            rows.append(row)
+            print(f"| {name} | {row['blocked_s']:.2f} | {row['written_s']:.2f} | {row['rank0_rise_mib']:.0f} | "
+                  + ", ".join(f"{r:.0f}" for r in row["rise_mib_per_rank"]) + " |")
+        if bench.json:
+            with open(bench.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    if scratch is not None and rank == 0:
+        scratch.cleanup()
+
+
+if __name__ == "__main__":
+    main()
