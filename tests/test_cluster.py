@@ -440,9 +440,9 @@ def start_and_signal(tmp_path, sig, *more, env=None, stacks_first=False):
             time.sleep(0.01)
         workers = [pid for pid in children(proc.p.pid) if "RANK" in worker_env(pid)]
         assert len(workers) == 2, workers
-        for pid in workers if stacks_first else []:
+        for pid in workers if stacks_first else []:  # one at a time: two dumps at once interleave their lines
             os.kill(pid, signal.SIGUSR2)
-        time.sleep(0.3 if stacks_first else 0)
+            time.sleep(0.3)
         t = time.monotonic()
         for pid in workers:
             os.kill(pid, sig)
