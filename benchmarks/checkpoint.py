@@ -74,7 +74,9 @@ def main():
     args = common.get_parser(script.__doc__).parse_args(
         ["--model", bench.model, "--optimizer", "adamw", "--train-size", "64", "--val-size", "16", "--batch-size", "2",
          "--synthetic-shape", "3x64x64", "--device", "cpu", "--workers", "0"])
-    args.backend, args.sync_bn, args.precision, args.reshard_after_forward, args.replicate = None, False, "fp32", True, 1
+    # the script-specific flags, at their defaults
+    args.backend, args.sync_bn, args.precision, args.replicate = None, False, "fp32", 1
+    args.reshard_after_forward = True
     rank, world_size, local_rank, device = script.setup_distributed(args)
     train_set, val_set = common.load_data(args)
     raw_model, model = script.build_model(args, train_set, device, torch.contiguous_format, rank, local_rank)

@@ -85,7 +85,8 @@ def test_a_copy_trains_your_own_dataset_and_model(tmp_path):
 
 # a slow Dataset (0.05 s per batch of 8) and a slow model (0.05 s per step); the Dataset writes down the time its
 # training samples really took, oversleeping included, for the test to compare with the script's clock
-SLEEPY = MY_PROJECT.replace("self.augment = ", "self.classes = 3  # no pass over the labels\n        self.augment = ") + '''
+NO_PASS = "self.classes = 3  # no pass over the labels\n        self.augment = "
+SLEEPY = MY_PROJECT.replace("self.augment = ", NO_PASS) + '''
 import os, time
 
 spent, _getitem, _forward = 0.0, MyDataset.__getitem__, MyModel.forward

@@ -101,4 +101,5 @@ def test_checkpoint_benchmark_times_every_format(tmp_path):
         assert 0 < r["blocked_s"] <= r["written_s"]
     assert os.listdir(tmp_path / "saves" / "file") == ["last.pt"]
     # one trained step, then saves at steps 2, 3 and 4: file, dcp, async
-    assert os.listdir(tmp_path / "saves" / "dcp") == ["ckpt-3"] and os.listdir(tmp_path / "saves" / "async") == ["ckpt-4"]
+    assert os.listdir(tmp_path / "saves" / "dcp") == ["ckpt-3"]
+    assert os.listdir(tmp_path / "saves" / "async") == ["ckpt-4"]

@@ -28,8 +28,8 @@ RESNET = ["--model", "resnet18", "--train-size", 48, "--val-size", 33, "--epochs
 def launch(script, nproc, args, log_dir=None, check=True):
     """One process: plain `python script` (the lone-process path); more: real torchrun, with each rank's output in
     `log_dir` if given."""
-    if nproc == 1:
-        return run(script, *args, check=check)
+    if nproc == 1 or script == "ddp_spawn_train.py":  # (which starts its --nprocs processes itself)
+        return run(script, *args, check=check, nproc=nproc if script == "ddp_spawn_train.py" else None)
     return run(script, *args, launcher="torchrun", nproc=nproc, check=check,
                launcher_args=["--log-dir", log_dir, "--redirects", "2"] if log_dir else [])
 
@@ -191,13 +191,18 @@ def newest_sharded(out_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("legs", [
-    [(DDP, 2, []), (FSDP, 3, []), (DDP, 1, [])],  # 2 -> 3 -> 1 processes, DDP -> FSDP -> DDP
-    # HSDP (2 copies of 2 shards) -> FSDP on 2 -> DDP on 3, the first leg saving in the background
-    [(FSDP, 4, ["--replicate", 2, "--async-save", "--save-every", 4]), (FSDP, 2, []), (DDP, 3, [])],
-], ids=["ddp2-fsdp3-ddp1", "hsdp4-fsdp2-ddp3"])
+    # 2 -> 3 -> 1 processes, DDP -> FSDP -> DDP (ddp_amp_train.py in fp32, GradScaler state and all)
+    pytest.param([(DDP, 2, []), (FSDP, 3, []), ("ddp_amp_train.py", 1, ["--precision", "fp32"])],
+                 marks=pytest.mark.floor),
+    # HSDP (2 copies of 2 shards) -> FSDP on 2 -> DDP on 3 (mp.spawn's), the first leg saving in the background
+    [(FSDP, 4, ["--replicate", 2, "--async-save", "--save-every", 4]), (FSDP, 2, []), ("ddp_spawn_train.py", 3, [])],
+    # the same script and process count throughout: bit for bit the straight run
+    [(FSDP, 2, []), (FSDP, 2, ["--async-save", "--save-every", 3]), (FSDP, 2, [])],
+], ids=["ddp2-fsdp3-amp1", "hsdp4-fsdp2-spawn3", "fsdp2-fsdp2-fsdp2"])
 def test_sharded_checkpoints_move_between_scripts_and_process_counts(runs, legs, tmp_path):
     """Two epochs in three legs (to steps 10, 21 and 32), each resuming the previous leg's newest ckpt-<step>
-    folder: they end where two straight epochs of DDP on 2 processes end."""
+    folder: they end where two straight epochs of DDP on 2 processes end (within 1e-4), and where FSDP's on 2 end
+    exactly when every leg is that."""
     out = tmp_path / "out"
     for (script, nproc, extra), stop in zip(legs, [10, 21, None]):
         launch(script, nproc, [*CNN, "--batch-size", 24 // nproc, "--ckpt-format", "dcp", "--resume", "auto",
@@ -207,8 +212,13 @@ def test_sharded_checkpoints_move_between_scripts_and_process_counts(runs, legs,
     assert sorted(os.listdir(out)) == ["ckpt-21", "ckpt-32", "metrics.jsonl"]  # the newest 2 kept, nothing .tmp
     straight = cnn(runs, DDP, 2)
     assert max_diff(ckpt["model"], straight.ckpt["model"]) <= 1e-4
-    assert max_diff(ckpt["optimizer"]["state"]["fc1.weight"], straight.ckpt["optimizer"]["state"]["fc1.weight"]) <= 1e-4
+    momentum = straight.ckpt["optimizer"]["state"]["fc1.weight"]
+    assert max_diff(ckpt["optimizer"]["state"]["fc1.weight"], momentum) <= 1e-4
     assert metrics(str(out))[-1]["val_loss"] == pytest.approx(straight.rows[-1]["val_loss"], rel=1e-5)
+    if {(script, nproc) for script, nproc, _ in legs} == {(FSDP, 2)}:
+        same = cnn(runs, FSDP, 2)
+        assert max_diff(ckpt["model"], same.ckpt["model"]) == 0
+        assert metrics(str(out))[-1]["val_loss"] == same.rows[-1]["val_loss"]
 
 
 # ---- 4. bf16 learns as well as fp32
