@@ -1,4 +1,6 @@
 """Helpers for running the scripts as real subprocesses (real torchrun, real mp.spawn) on CPU/gloo."""
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -77,22 +79,49 @@ def run(script, *args, nproc=None, launcher="python", env=None, check=True, time
     else:
         cmd = [sys.executable, script] + ([f"--nprocs={nproc}"] if nproc else [])
     cmd += [str(a) for a in args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    token = f"{os.getpid()}-{next(RUNS)}"  # in the environment of every process it starts, orphans included
+    p = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {}), TEST_RUN=token), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # first SIGUSR2, on which the scripts print every thread's Python stack (faulthandler): where it hung
-        state = "still running" if p.poll() is None else f"exited {p.returncode}, a process under it holding its output"
-        kill_tree(p.pid, signal.SIGUSR2)
-        time.sleep(2)
-        kill_tree(p.pid)
-        out, err = p.communicate()
+        # first SIGUSR2, on which the scripts print every thread's Python stack (faulthandler): where it hung. Not
+        # only p's tree: a worker whose launcher has exited is nobody's child, but still holds p's output open.
+        # torchrun itself is spared it (it would die of it, and its workers with it, before they print)
+        state = "still running" if p.poll() is None else f"exited {p.returncode}, a process it started still running"
+        spared = {p.pid} if launcher == "torchrun" else set()
+        for sig, pids in ((signal.SIGUSR2, lambda: set(started_by(token)) - spared),
+                          (signal.SIGKILL, lambda: {p.pid, *started_by(token)})):
+            for pid in pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(2)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(its output could not be read)"
         raise AssertionError(f"timed out after {timeout}s ({state}): {' '.join(cmd)}\n{out[-3000:]}\n"
                              f"{err[-12000:]}") from None
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-3000:]}\n{err[-5000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+RUNS = itertools.count()
+
+
+def started_by(token):
+    """Pids of the live processes whose environment holds TEST_RUN=token: everything one run() started."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"TEST_RUN={token}".encode() in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
 
 
 def children(pid):
