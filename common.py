@@ -1132,8 +1132,10 @@ class Watch:
 
     def heartbeat(self):
         while True:
-            with contextlib.suppress(Exception):  # a store that is gone is what the timeout's message will say
+            try:
                 self.store.set(str(self.rank), str(self.step))
+            except Exception:  # noqa: BLE001 the store is gone (and the timeout's message will say so): stop, rather
+                return  # than add torch's warning, a C++ stack, to the log every second
             if self.stop.wait(1):
                 return
 
