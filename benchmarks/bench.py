@@ -17,16 +17,18 @@ The bare loop runs in a fresh process too, so that its start-up time and peak me
 With --precision bf16 only ddp_amp_train.py runs (the other scripts train in fp32 only), and its torchrun row.
 --shape 3x224x224 (for ImageNet models) passes --synthetic-shape to the scripts.
 
-Columns (medians over --repeats runs, interleaved: each repeat runs every row once, so that a shared machine's
-drifting speed falls on every row alike; and each repeat starts one row later than the one before, so that with
-as many repeats as rows every row runs once in every position. In a fixed order, a machine that slowed down within
-each repeat made every row look slower the later it ran):
+Columns (medians over --repeats runs, interleaved: the bare loop runs first and again after every script run, so
+that each script run sits between two bare runs; each repeat starts one script later than the one before, so that
+with as many repeats as scripts every script runs once in every position):
   samples/s   steady state, global batch: from the end of the first optimizer step to the end of the last
               (CUDA-synchronized); the first step (allocation, cuDNN autotuning, compilation) is not timed
-  ratio       samples/s over the bare loop's run of the same repeat, median over the repeats: what the script's
-              wrapper, loader and bookkeeping cost; range: the lowest and highest of those ratios (all of them are
-              in the JSON, "ratio_runs"). At world size 1 every script should be at least 0.95; a wrapper cannot
-              beat the loop it wraps, so a median above 1.05 means the reference is not doing the same work
+  ratio       samples/s over the mean of the two bare runs around it, median over the repeats: what the script's
+              wrapper, loader and bookkeeping cost. A shared machine's speed drifts from minute to minute, and
+              neighbours share the drift. Range: the lowest and highest of those ratios (all of them are in the
+              JSON, "ratio_runs"). At world size 1 every script should be at least 0.95; a wrapper cannot beat the
+              loop it wraps, so a median above 1.05 means the reference is not doing the same work. The bare row's
+              range is the reference against itself (each bare run between two others over their mean): the
+              spread that comes from the machine, not from any script
   start-up s  from launching the process to the end of its first optimizer step (imports, data, model, first step)
   eval s      the scripts' validation pass (as many samples as were trained on); the bare loop has none
   peak MB     rank 0: GPU memory allocated (CUDA), or the process's max resident set size (CPU)
@@ -174,20 +176,36 @@ def main(a):
     if a.two_process and (a.batch_size % 2 or (a.device == "cuda" and torch.cuda.device_count() < 2)):
         sys.exit("--two-process needs an even --batch-size" + (", and 2 GPUs on CUDA" if a.device == "cuda" else ""))
     rows = configs(a, threads)
+    bare, scripts = rows[0], rows[1:]
     runs, threads_of = {(name, ws): [] for name, ws, _, _ in rows}, {(name, ws): t for name, ws, _, t in rows}
+    ratios = {(name, ws): [] for name, ws, _, _ in rows}
+
+    def timed(row, r):
+        name, ws, cmd, t = row
+        runs[name, ws].append(run(cmd, t, a.timeout))
+        print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {runs[name, ws][-1]['samples_per_s']:.1f} samples/s",
+              file=sys.stderr, flush=True)
+        return runs[name, ws][-1]["samples_per_s"]
+
+    # every script run sits between two bare runs and is divided by their mean: the machine's speed drifts from
+    # minute to minute, and the neighbours share the drift. Each bare run in between is also divided by the mean of
+    # its neighbours: the spread of the reference against itself, what any ratio's spread should be read against
+    before = timed(bare, 0)
+    bare_speeds = [before]
     for r in range(a.repeats):
-        for name, ws, cmd, t in rows[r % len(rows):] + rows[:r % len(rows)]:  # rotated: every row in every position
-            runs[name, ws].append(run(cmd, t, a.timeout))
-            print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {runs[name, ws][-1]['samples_per_s']:.1f} samples/s",
-                  file=sys.stderr, flush=True)
+        for name, ws, cmd, t in scripts[r % len(scripts):] + scripts[:r % len(scripts)]:  # rotated: every position
+            speed = timed((name, ws, cmd, t), r)
+            after = timed(bare, r)
+            ratios[name, ws].append(speed / ((before + after) / 2))
+            bare_speeds.append(after)
+            before = after
+    ratios["bare", 1] = [b / ((x + y) / 2) for x, b, y in zip(bare_speeds, bare_speeds[1:], bare_speeds[2:])]
     median = lambda rs, k: None if rs[0][k] is None else statistics.median(x[k] for x in rs)  # noqa: E731
-    bare_runs = [x["samples_per_s"] for x in runs["bare", 1]]
-    # each run over the bare run of its own repeat: the machine's speed drifts, and a pair shares the drift
-    ratios = {key: [x["samples_per_s"] / b for x, b in zip(rs, bare_runs)] for key, rs in runs.items()}
     table = [{"name": name, "device": a.device, "world_size": ws, "precision": a.precision, "model": a.model,
               "shape": a.shape, "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats,
               "threads": threads_of[name, ws], **{k: median(rs, k) for k in rs[0]},
-              "ratio_to_bare": statistics.median(ratios[name, ws]), "ratio_runs": ratios[name, ws],
+              "ratio_to_bare": 1.0 if name == "bare" else statistics.median(ratios[name, ws]),
+              "ratio_runs": ratios[name, ws],
               "samples_per_s_runs": [x["samples_per_s"] for x in rs]} for (name, ws), rs in runs.items()]
     print(f"\n{a.model} {a.shape} {a.precision}, global batch {a.batch_size}, {a.steps} steps, "
           f"median of {a.repeats}, {threads} CPU threads per 1-process run")
@@ -195,7 +213,7 @@ def main(a):
           f"{'eval s':>7} {'peak MB':>8}")
     for t in table:
         ev = "-" if t["eval_s"] is None else f"{t['eval_s']:.2f}"
-        spread = f"{min(t['ratio_runs']):.2f}-{max(t['ratio_runs']):.2f}"
+        spread = f"{min(t['ratio_runs']):.2f}-{max(t['ratio_runs']):.2f}" if t["ratio_runs"] else "-"
         print(f"{t['name']:30} {t['device']:6} {t['world_size']:5d} {t['samples_per_s']:10.1f} "
               f"{t['ratio_to_bare']:6.2f} {spread:>11} {t['startup_s']:10.2f} {ev:>7} {t['peak_mem_mb']:8.0f}")
     ones = [t for t in table if t["world_size"] == 1 and t["name"] != "bare"]

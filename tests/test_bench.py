@@ -31,11 +31,19 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert {(r["name"], r["world_size"]) for r in rows} == ROWS and len(rows) == len(ROWS)
     for r in rows:
         assert r["device"] == "cpu" and r["precision"] == "fp32" and r["global_batch"] == 8
-        assert r["samples_per_s"] > 0 and len(r["samples_per_s_runs"]) == 1 and r["ratio_runs"] == [r["ratio_to_bare"]]
         assert isinstance(r["ratio_to_bare"], float) and math.isfinite(r["ratio_to_bare"]) and r["ratio_to_bare"] > 0
-        assert r["startup_s"] > 0 and r["peak_mem_mb"] > 0
+        assert r["samples_per_s"] > 0 and r["startup_s"] > 0 and r["peak_mem_mb"] > 0
         assert (r["eval_s"] is None) == (r["name"] == "bare")
-    assert next(r for r in rows if r["name"] == "bare")["ratio_to_bare"] == 1.0
+    # the bare loop ran first and after every script (in the listed order, the first repeat): each script's ratio is
+    # over the mean of the bare runs around it, and each bare run in between is over the mean of its neighbours
+    bare, scripts = rows[0], rows[1:]
+    assert bare["name"] == "bare" and bare["ratio_to_bare"] == 1.0
+    b = bare["samples_per_s_runs"]
+    assert len(b) == len(scripts) + 1
+    assert bare["ratio_runs"] == pytest.approx([y / ((x + z) / 2) for x, y, z in zip(b, b[1:], b[2:])])
+    for i, r in enumerate(scripts):
+        assert len(r["samples_per_s_runs"]) == 1 and r["ratio_runs"] == [r["ratio_to_bare"]]
+        assert r["ratio_to_bare"] == pytest.approx(r["samples_per_s"] / ((b[i] + b[i + 1]) / 2))
     table = p.stdout.splitlines()
     assert all(any(line.startswith(name + " ") for line in table) for name, _ in ROWS), p.stdout  # one table row each
 
