@@ -48,6 +48,28 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert all(any(line.startswith(name + " ") for line in table) for name, _ in ROWS), p.stdout  # one table row each
 
 
+def test_the_verdict_says_when_the_machine_was_too_busy_to_decide():
+    """The closing line judges the medians, and says when the bare loop against itself spread more than 0.05:
+    then single ratios spread as far, and a median of a few repeats cannot tell 0.94 from 0.96."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def table(itself, *scripts):
+        return [{"name": "bare", "world_size": 1, "ratio_to_bare": 1.0, "ratio_runs": itself}] + [
+            {"name": n, "world_size": ws, "ratio_to_bare": x, "ratio_runs": [x]} for n, ws, x in scripts]
+    quiet = bench.verdict(table([0.97, 1.04], ("a.py", 1, 0.96), ("b.py", 1, 0.99), ("two", 2, 0.70)))
+    assert quiet == "world size 1, median ratio at least 0.95: met"
+    low = bench.verdict(table([0.96], ("a.py", 1, 0.94), ("b.py", 1, 1.07)))
+    assert low.startswith("world size 1, median ratio at least 0.95: NOT met: a.py;") and "above 1.05" in low
+    assert "b.py" in low and "too busy" not in low
+    busy = bench.verdict(table([0.80, 1.02, 1.26], ("a.py", 1, 0.93)))
+    assert busy.splitlines()[1].startswith("but the bare loop against itself spread 0.80-1.26")
+    assert "too busy" in bench.verdict(table([1.06], ("a.py", 1, 0.97)))
+    assert "too busy" not in bench.verdict(table([], ("a.py", 1, 0.97)))  # one script: no bare run in between
+
+
 def test_the_bare_loop_trains_on_the_scripts_data(tmp_path, monkeypatch):
     """The reference does the scripts' work: it builds their data with common.load_data on the flags the script rows
     get, and trains on every sample of it, one tensor index per batch (not on a few batches of randn, which made it
