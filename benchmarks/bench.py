@@ -5,6 +5,7 @@ training loop, on the same model, data shape, global batch, precision and thread
     python benchmarks/bench.py --device cpu --json cpu.json
     python benchmarks/bench.py --device cuda --model resnet18 --batch-size 256 --precision bf16 --channels-last
     python benchmarks/bench.py --steps 3 --repeats 1 --batch-size 8   # a smoke test: checks that it runs, times nothing
+    python benchmarks/bench.py --scripts ddp_launch_train.py --budget 60   # one script's row; repeats that fit 60 s
 
 The bare loop (bare_loop below) is the reference: one process, no DDP/DataParallel wrapper, the scripts' own data
 (common.load_data on the same flags, one tensor index per batch, in a random order), model, SGD and schedule, the
@@ -56,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 import common  # noqa: E402
 
 DEFAULT_SHAPE = "1x28x28"
+SCRIPTS = ("dp_train.py", "ddp_launch_train.py", "ddp_spawn_train.py", "ddp_amp_train.py")
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "SLURM_STEP_NUM_TASKS")  # inherited, they would make a script wait for ranks that never come
 
@@ -116,7 +118,7 @@ def script_flags(a):
     return (["--device", a.device, "--model", a.model] + ["--channels-last"] * a.channels_last
             + ["--compile"] * a.compile + ["--dataset", "synthetic", "--epochs", "1", "--max-steps", str(a.steps),
                                            "--train-size", str(a.steps * a.batch_size),
-                                           "--val-size", str(a.steps * a.batch_size)]
+                                           "--val-size", str(a.val_size or a.steps * a.batch_size)]
             + (["--synthetic-shape", a.shape] if a.shape != DEFAULT_SHAPE else []))
 
 
@@ -128,6 +130,7 @@ def configs(a, threads):
     bare = [py, os.path.abspath(__file__), "--bare-worker", "--batch-size", str(B), "--steps", str(a.steps),
             "--precision", a.precision, "--shape", a.shape, "--device", a.device, "--model", a.model]
     bare += ["--channels-last"] * a.channels_last + ["--compile"] * a.compile
+    bare += ["--val-size", str(a.val_size)] if a.val_size else []
     rows = [("bare", 1, bare, threads)]
     if a.precision == "fp32":  # these three have no --precision: they train in fp32 only
         rows += [("dp_train.py", 1, [py, script("dp_train.py")] + one + ["--gpus", "0"] * cuda, threads),
@@ -143,6 +146,8 @@ def configs(a, threads):
         else:
             amp = [script("ddp_amp_train.py"), "--precision", a.precision]
             rows.append(("torchrun ddp_amp_train.py", 2, torchrun + amp + two, half))
+    if a.scripts:  # only these scripts' rows, and the bare loop
+        rows = rows[:1] + [r for r in rows[1:] if r[0].split()[-1] in a.scripts]
     return rows
 
 
@@ -207,15 +212,23 @@ def main(a):
     # every script run sits between two bare runs and is divided by their mean: the machine's speed drifts from
     # minute to minute, and the neighbours share the drift. Each bare run in between is also divided by the mean of
     # its neighbours: the spread of the reference against itself, what any ratio's spread should be read against
+    # --budget: no repeat is started that would end past it, going by the last repeat's time (one always runs)
+    start = time.time()
     before = timed(bare, 0)
     bare_speeds = [before]
     for r in range(a.repeats):
+        t = time.time()
+        if r and a.budget and t - start + last > a.budget:
+            print(f"--budget {a.budget:.0f} s: {r} of {a.repeats} repeats fit", file=sys.stderr, flush=True)
+            a.repeats = r
+            break
         for row in scripts[r % len(scripts):] + scripts[:r % len(scripts)]:  # rotated: every script in every position
             speed = timed(row, r)
             after = timed(bare, r)
             ratios[row[:2]].append(speed / ((before + after) / 2))
             bare_speeds.append(after)
             before = after
+        last = time.time() - t
     ratios["bare", 1] = [b / ((x + y) / 2) for x, b, y in zip(bare_speeds, bare_speeds[1:], bare_speeds[2:])]
     median = lambda rs, k: None if rs[0][k] is None else statistics.median(x[k] for x in rs)  # noqa: E731
     table = [{"name": name, "device": a.device, "world_size": ws, "precision": a.precision, "model": a.model,
@@ -254,6 +267,12 @@ if __name__ == "__main__":
     p.add_argument("--two-process", action=argparse.BooleanOptionalAction,
                    help="also the 2-process rows (default: on CPU only; on CUDA they need 2 GPUs)")
     p.add_argument("--shape", default=DEFAULT_SHAPE, help="synthetic image shape CxHxW, e.g. 3x224x224")
+    p.add_argument("--val-size", type=int, help="validation samples of each script run (default: as many as trained "
+                   "on; fewer makes large images start faster, and eval s then times fewer)")
+    p.add_argument("--scripts", nargs="+", metavar="SCRIPT", help="only these scripts' rows (and the bare loop), "
+                   "e.g. ddp_launch_train.py; default: all")
+    p.add_argument("--budget", type=float, help="seconds for the whole benchmark: no repeat is started that would end "
+                   "past it, going by the previous repeat's time (at least one runs); the JSON says how many did")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed for each run")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
@@ -261,6 +280,8 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.steps < 2 or args.repeats < 1 or args.batch_size < 1:
         p.error("--steps must be at least 2, --repeats and --batch-size at least 1")
+    if args.scripts and not set(args.scripts) <= set(SCRIPTS):
+        p.error(f"--scripts: choose among {', '.join(SCRIPTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but this machine has no CUDA GPU")
     bare_loop(args) if args.bare_worker else main(args)

@@ -84,6 +84,7 @@ def test_the_bare_loop_trains_on_the_scripts_data(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.common, "load_data", lambda args, download=False: built.append(args) or load_data(args))
     monkeypatch.setattr(bench.common.InMemory, "__getitem__", lambda ds, key: seen.append(key[1]) or get(ds, key))
     a = argparse.Namespace(device="cpu", model="cnn", channels_last=False, compile=False, steps=3, batch_size=8,
+                           val_size=None,
                            precision="fp32", shape=bench.DEFAULT_SHAPE, out_dir=str(tmp_path))
     threads = torch.get_num_threads()
     try:
