@@ -60,7 +60,7 @@ def setup_distributed(args):
         raise common.UsageError(f"{local_world_size} processes on this machine but {torch.cuda.device_count()} GPUs: "
                                 "NCCL needs one GPU per process (gloo can share one)")
     if args.sync_bn and not use_cuda:
-        raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm has no CPU implementation")
+        raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm's forward accepts GPU tensors only")
     if args.precision == "bf16" and use_cuda and not torch.cuda.is_bf16_supported():  # [amp]
         raise common.UsageError("this GPU has no bf16: use --precision fp16")
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
@@ -309,7 +309,7 @@ if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true",
-                        help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
+                        help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU tensors only)")
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

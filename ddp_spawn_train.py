@@ -45,7 +45,7 @@ def check_setup(args):
         raise common.UsageError(f"--nprocs {nprocs} but {torch.cuda.device_count()} GPUs: "
                                 "NCCL needs one GPU per process (gloo can share one)")
     if args.sync_bn and not use_cuda:
-        raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm has no CPU implementation")
+        raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm's forward accepts GPU tensors only")
     return use_cuda, backend, nprocs
 
 
@@ -299,7 +299,7 @@ if __name__ == "__main__":  # [spawn]
     parser.add_argument("--nprocs", type=int, help="number of processes (default: one per GPU, or 2 on CPU)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true",
-                        help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only)")
+                        help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU tensors only)")
     args = parser.parse_args()
     try:
         _, _, nprocs = check_setup(args)
