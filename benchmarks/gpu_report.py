@@ -16,7 +16,8 @@ repeat that would end past it), world size 1 (one GPU):
   the same in bf16 with --channels-last: the bare loop and ddp_amp_train.py
   resnet18 3x32x32, batch 256, eager and --compile: the bare loop and ddp_launch_train.py
 Targets: every script at least 0.95 of the bare loop on resnet50 at 224x224; bf16 + channels-last at least 1.8x the
-fp32/TF32 bare loop; resnet18 at 32x32 faster with --compile than without.
+fp32/TF32 bare loop; resnet18 at 32x32 faster with --compile than without. A configuration whose budget would end
+past --deadline is not started, and named: `--part bench --configs 3` runs it alone in a second command.
 
 --dry-run runs the same code on the CPU: the tests with GPU_TESTS_DEVICE=cpu (the ones that need a GPU skip), the
 bench configurations with the cnn on 3x32x32 images for 3 steps. Its numbers measure nothing; it is there so that a
@@ -141,8 +142,15 @@ def read_junit(path):
 # ---- the benchmark
 def part_bench(a, m):
     """Each configuration through benchmarks/bench.py (its bare loop is the reference), then the targets."""
-    results, spent = [], []
+    results, spent, skipped, t_start = [], [], [], time.time()
     for i, (name, flags, budget) in enumerate(CONFIGS):
+        if i not in a.configs:
+            continue
+        if time.time() - t_start + budget > a.deadline:  # its first repeat may take longer than its budget: not ...
+            skipped.append(name)  # ... started where even the budget would not fit the command's time
+            print(f"\n== {name}: not started, {time.time() - t_start:.0f} s of --deadline {a.deadline:.0f} s gone: "
+                  f"run it alone with --configs {i}", flush=True)
+            continue
         if a.dry_run:  # the same flags, small: the cnn on small images, a few steps, one repeat
             flags, name = [DRY_RUN.get(prev, f) for prev, f in zip([None] + flags, flags)], name + " [dry run: cnn]"
             budget = 1
@@ -160,7 +168,7 @@ def part_bench(a, m):
             results += [{"config": name, "config_index": i, **row} for row in json.load(f)]
     targets = judge(results)
     report = {"machine": m, "configs": [{"name": n, "flags": f, "budget_s": b} for n, f, b in CONFIGS],
-              "rows": results, "targets": targets, "spent_s": {n: s for n, s, _ in spent}}
+              "rows": results, "targets": targets, "spent_s": {n: s for n, s, _ in spent}, "not_started": skipped}
     lines = [f"# GPU benchmark: {header(m)}", "",
              "Every row at world size 1, `python benchmarks/gpu_report.py --part bench` (benchmarks/bench.py per "
              "configuration: median of the repeats that fit its budget, each script run divided by the mean of the "
@@ -172,13 +180,13 @@ def part_bench(a, m):
         lines.append(f"| {r['config']} | {'bare loop' if r['name'] == 'bare' else '`' + r['name'] + '`'} | "
                      f"{r['samples_per_s']:.0f} | {r['ratio_to_bare']:.2f} | {spread} | {r['repeats']} | "
                      f"{r['startup_s']:.1f} | {r['peak_mem_mb']:.0f} |")
+    lines += [f"\nNot started (the command's --deadline): {', '.join(skipped)}"] if skipped else []
     lines += ["", "Targets:", ""] + [f"- {t['target']}: {t['value']} — **{t['verdict']}**" for t in targets]
     write(a.out, "bench", report, "\n".join(lines))
     print(f"\nwhere the {sum(s for _, s, _ in spent) / 60:.1f} minutes went:")
     for name, s, budget in spent:
         print(f"  {s:6.1f} s  {name} (budget {budget} s for its repeats)")
-    return {r["config_index"] for r in results} == set(range(len(CONFIGS))) and all(r["samples_per_s"] > 0
-                                                                                   for r in results)
+    return {r["config_index"] for r in results} == set(a.configs) and all(r["samples_per_s"] > 0 for r in results)
 
 
 def judge(rows):
@@ -234,8 +242,18 @@ if __name__ == "__main__":
     p.add_argument("--jobs", type=int, choices=[1, 2], default=2, help="tests: pytest processes side by side")
     p.add_argument("--timeout", type=float, default=540, help="tests: seconds for the whole pytest run")
     p.add_argument("--run-timeout", type=float, default=240, help="bench: seconds for any one run of a script")
+    p.add_argument("--configs", default=",".join(map(str, range(len(CONFIGS)))),
+                   help="bench: which configurations, by number (0: resnet50 fp32, 1: bf16 channels-last, 2: resnet18 "
+                   "eager, 3: --compile)")
+    p.add_argument("--deadline", type=float, default=480, help="bench: no configuration is started whose budget "
+                   "would end past this many seconds (the rest are named, to be run with --configs)")
     args = p.parse_args()
     args.part = args.part or ("both" if args.dry_run else None)
+    try:
+        args.configs = sorted({int(c) for c in args.configs.split(",")})
+        assert set(args.configs) <= set(range(len(CONFIGS)))
+    except (ValueError, AssertionError):
+        p.error(f"--configs: numbers from 0 to {len(CONFIGS) - 1}, comma-separated")
     if args.part is None:
         p.error("--part tests or --part bench (each fits a 10-minute command), or --dry-run")
     main(args)

@@ -51,6 +51,9 @@ def test_without_a_gpu_it_says_so_in_one_line():
     p = subprocess.run([sys.executable, REPORT], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and "--part tests or --part bench" in p.stderr
+    p = subprocess.run([sys.executable, REPORT, "--dry-run", "--configs", "0,7"], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--configs: numbers from 0 to 3" in p.stderr
 
 
 @pytest.mark.slow
