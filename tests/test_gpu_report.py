@@ -1,6 +1,7 @@
 """benchmarks/gpu_report.py, checked on the CPU: its dry run (both parts: tests/test_gpu.py on the CPU, and every
 bench configuration, small), how it judges the targets, and its refusal without a GPU. So that the first minutes of
 a GPU machine go to results, not to a typo."""
+import ast
 import importlib.util
 import json
 import os
@@ -71,7 +72,6 @@ def test_dry_run_runs_both_parts_on_the_cpu(tmp_path):
     tests = json.loads((tmp_path / "tests.json").read_text())
     assert tests["machine"]["dry_run"] and tests["exit_codes"] == [0, 0]
     names = {t["name"].split("[")[0] for t in tests["tests"]}
-    import ast
     defined = {f.name for f in ast.parse(open(os.path.join(ROOT, "tests", "test_gpu.py")).read()).body
                if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
     assert names == defined  # every test ran in one of the two processes, none twice
