@@ -50,8 +50,8 @@ CONFIGS = [
     ("resnet18 32x32 --compile", ["--model", "resnet18", "--shape", "3x32x32", "--batch-size", "256", "--steps", "100",
                                   "--scripts", "ddp_launch_train.py", "--compile"], 110),
 ]
-# the tests, split for --jobs pytest processes by -k; the tests that share runs (tests/test_gpu.py's `runs`) together
-GROUPS = ["default_run or channels_last or amp_bf16 or fp16_loss or visible_devices"]
+# --jobs 2 splits the tests by -k into these and the rest; the tests that share runs (test_gpu.py's `runs`) together
+FIRST_JOB = "default_run or channels_last or amp_bf16 or fp16_loss or visible_devices"
 DRY_RUN = {"--model": "cnn", "--shape": "3x32x32", "--batch-size": "8", "--steps": "3", "--val-size": "8"}
 
 
@@ -82,9 +82,10 @@ def part_tests(a, m):
     """tests/test_gpu.py under pytest, in --jobs processes side by side (a GPU is far from busy with these runs);
     every test's outcome, time and recorded numbers from their JUnit XML."""
     env = {**os.environ, "GPU_TESTS_DEVICE": "cpu" if a.dry_run else "cuda"}
-    jobs, procs, t0 = GROUPS[:a.jobs - 1] + ["not (" + " or ".join(GROUPS[:a.jobs - 1]) + ")"] if a.jobs > 1 else \
-        [None], [], time.time()
+    jobs, procs, t0 = [FIRST_JOB, f"not ({FIRST_JOB})"] if a.jobs == 2 else [None], [], time.time()
     for i, k in enumerate(jobs):
+        if os.path.exists(f"{a.out}/tests-{i}.xml"):  # an earlier run's: never read as this one's
+            os.remove(f"{a.out}/tests-{i}.xml")
         cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-v", "-rs", "-p", "no:cacheprovider",
                f"--junitxml={a.out}/tests-{i}.xml", "-o", "junit_family=xunit1", f"--basetemp={a.out}/tmp-{i}"]
         cmd += ["-k", k] if k else []
@@ -115,7 +116,8 @@ def part_tests(a, m):
     for t in tests:
         rec = ", ".join(f"{k} {v}" for k, v in t["recorded"].items())
         why = f": {t['message'][:200]}" if t["message"] else ""
-        lines.append(f"| `{t['name']}` | {t['outcome']}{why} | {t['time_s']:.1f} | {rec} |".replace("\n", " "))
+        cells = [f"`{t['name']}`", t["outcome"] + why, f"{t['time_s']:.1f}", rec]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     write(a.out, "tests", report, "\n".join(lines))
     print(f"\nwhere the {elapsed / 60:.1f} minutes went ({len(jobs)} processes side by side):")
     for t in sorted(tests, key=lambda t: -t["time_s"]):
