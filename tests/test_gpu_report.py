@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, clean_env
 
 REPORT = os.path.join(ROOT, "benchmarks", "gpu_report.py")
-FLOOR = "2.11."  # the torch of the GPU machines (and of CI's floor leg)
+FLOOR = "2.11."  # the oldest supported torch (CI's floor leg)
 
 
 def load_report():
@@ -60,8 +60,8 @@ def test_without_a_gpu_it_says_so_in_one_line():
 @pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.skipif(not torch.__version__.startswith(FLOOR) and not os.environ.get("GPU_DRY_RUN"),
-                    reason=f"the GPU machines carry torch {FLOOR}x: the dry run proves the GPU tests and report on "
-                    "that torch (CI's floor leg); GPU_DRY_RUN=1 runs it on this one")
+                    reason=f"the dry run proves the GPU tests and report on the oldest supported torch, {FLOOR}x "
+                    "(CI's floor leg); GPU_DRY_RUN=1 runs it on this one")
 def test_dry_run_runs_both_parts_on_the_cpu(tmp_path):
     """The report's two parts on the CPU, as they will run on a GPU (two pytest processes side by side, every bench
     configuration): every GPU test passes, or skips saying it needs a GPU; every configuration gives its rows and the
