@@ -3,6 +3,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,9 +20,23 @@ TIMEOUT = 300  # no test may hang CI: every subprocess is killed after this many
 
 
 def free_port():
+    """A port free now. Another process may take it before the one it is given to binds it: whatever binds a port
+    from here is retried on "address in use" (ADDRESS_IN_USE in its output), or lets the launcher pick its own port
+    (LAUNCHER_PICKS_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ADDRESS_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
+# torchrun's c10d rendezvous on port 0: its agent binds a port the OS picks and tells the workers (MASTER_PORT), so
+# that no test-chosen port can be taken in between. The static rendezvous (the README's `--master_port`) is what
+# run() uses, retried on ADDRESS_IN_USE
+LAUNCHER_PICKS_PORT = ("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
+
+
+def address_in_use(output):
+    return any(words in output for words in ADDRESS_IN_USE)
 
 
 # what a launcher or a job sets for its processes: never inherited from wherever the tests themselves run
@@ -42,37 +57,91 @@ def clean_env(base=None, **extra):
     return CpuEnv({**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra})
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes longer than about 10 s")
-    config.addinivalue_line("markers", "floor: also run by CI on the oldest supported torch (requirements.txt)")
-    config.addinivalue_line("markers", "gpu: needs CUDA; may start scripts that see the GPUs")
+MEASURED = []  # (test, what, value, tolerance or None): printed at the end of the run, and to MEASURED_JSON
+SLURM_RAN = []  # the tests that ran on the one-node SLURM cluster (slurm_cluster.py)
 
 
-STARTS_SCRIPTS = ("python", "srun", "sbatch", "salloc")  # what starts a script of this collection, or a job running one
+@pytest.fixture
+def measured(request):
+    """measured(what, value, tolerance=None): a number a test measured (a difference between runs, a time), reported
+    at the end of the run ("measured" section) and, if MEASURED_JSON names a file, written there as JSON."""
+    def record(what, value, tolerance=None):
+        MEASURED.append((request.node.nodeid, what, float(value), tolerance))
+        return value
+    return record
 
 
-@pytest.fixture(autouse=True)
-def cpu_pin_guard(request, monkeypatch):
-    """Every Python process or SLURM job a test starts gets its environment from clean_env (no GPU visible), except
-    in tests marked gpu. A test that forgets fails here, on any machine, instead of only on a GPU machine."""
-    if request.node.get_closest_marker("gpu"):
-        return
+def pytest_terminal_summary(terminalreporter):
+    if MEASURED:
+        terminalreporter.section("measured")
+        for test, what, value, tolerance in MEASURED:
+            bound = f"  (tolerance {tolerance:.3g}, {value / tolerance:.2g} of it)" if tolerance else ""
+            terminalreporter.write_line(f"{what}: {value:.3g}{bound}  [{test}]")
+        if os.environ.get("MEASURED_JSON"):
+            with open(os.environ["MEASURED_JSON"], "w") as f:
+                json.dump([dict(zip(("test", "what", "value", "tolerance"), m)) for m in MEASURED], f, indent=1)
+    if SLURM_RAN:
+        terminalreporter.section("SLURM")
+        terminalreporter.write_line(f"{len(SLURM_RAN)} tests ran on a one-node SLURM cluster: {', '.join(SLURM_RAN)}")
+
+
+GUARD = {"on": True}
+
+
+def refuse_unless_clean(program, env):
+    if GUARD["on"] and not isinstance(env, CpuEnv):
+        raise AssertionError(f"{program} started without conftest.clean_env(): on a GPU machine it would see the GPUs")
+
+
+def install_cpu_pin_guard():
+    """Every process a test or fixture starts (Python, torchrun, srun, a shell, `env python`: any program, by any
+    of subprocess's or os's ways of starting one) gets its environment from clean_env (no GPU visible), except in
+    tests marked gpu. A test that forgets fails here, on any machine, instead of only on a GPU machine."""
     real = subprocess.Popen
 
     class Guarded(real):
         def __init__(self, args, *a, **kw):
-            program = os.path.basename(str(args[0] if isinstance(args, (list, tuple)) else args).split()[0])
-            if program.startswith(STARTS_SCRIPTS) and not isinstance(kw.get("env"), CpuEnv):
-                raise AssertionError(f"{program} started without conftest.clean_env(): on a GPU machine it would "
-                                     "see the GPUs")
+            refuse_unless_clean(args[0] if isinstance(args, (list, tuple)) else args, kw.get("env"))
             super().__init__(args, *a, **kw)
-    monkeypatch.setattr(subprocess, "Popen", Guarded)
+    subprocess.Popen = Guarded
+    for name in ("system", "posix_spawn", "posix_spawnp", "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl",
+                 "spawnle", "spawnlp", "spawnlpe"):
+        if hasattr(os, name):  # none of these takes an environment made by clean_env
+            real_call = getattr(os, name)
+
+            def guarded(*a, _name=name, _real=real_call, **kw):
+                refuse_unless_clean(f"os.{_name}", None)
+                return _real(*a, **kw)
+            setattr(os, name, guarded)
+
+
+def pytest_configure(config):
+    install_cpu_pin_guard()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test is set up (module- and session-scoped ones included): the guard is off only
+    for tests marked gpu."""
+    GUARD["on"] = item.get_closest_marker("gpu") is None
 
 
 def run(script, *args, nproc=None, launcher="python", env=None, check=True, timeout=TIMEOUT, launcher_args=()):
     """Run one of the scripts. launcher: 'python' (plain; ddp_spawn_train.py spawns --nprocs itself) or 'torchrun'
-    (with `launcher_args` before the script). Weight comparisons need equal threads per process: one each, unless
-    `env` says otherwise. On timeout the whole process tree is killed, torchrun's workers included."""
+    (with `launcher_args` before the script; its static rendezvous on a free port, retried if another process took
+    the port first). Weight comparisons need equal threads per process: one each, unless `env` says otherwise. On
+    timeout the whole process tree is killed, torchrun's workers included."""
+    for attempt in range(5):
+        p = run_once(script, *args, nproc=nproc, launcher=launcher, env=env, timeout=timeout,
+                     launcher_args=launcher_args)
+        if not (launcher == "torchrun" and p.returncode != 0 and address_in_use(p.stderr)):
+            break
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def run_once(script, *args, nproc, launcher, env, timeout, launcher_args):
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc or 1}",
                f"--master_port={free_port()}", *map(str, launcher_args), script]
@@ -102,9 +171,31 @@ def run(script, *args, nproc=None, launcher="python", env=None, check=True, time
             out, err = "", "(its output could not be read)"
         raise AssertionError(f"timed out after {timeout}s ({state}): {' '.join(cmd)}\n{out[-3000:]}\n"
                              f"{err[-12000:]}") from None
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-3000:]}\n{err[-5000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def worker_exit_codes(output):
+    """{rank: exit code} of the failed workers in torchrun's failure report ("rank : 1 (local_rank: 1)" then
+    "exitcode : 2 (pid: ...)"): torchrun itself exits 1 for any failure, whatever its workers' codes."""
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", output)}
+
+
+def assert_exit(p, code, nproc=None):
+    """The documented exit status `code` (docs/failures.md) for what `p` ran: the script's own status where it is
+    the process (python, mp.spawn's parent); under torchrun, every failed worker's in torchrun's report (torchrun
+    itself exits 1), all `nproc` of them if given."""
+    output = p.stdout + p.stderr
+    if "torch.distributed.run" not in p.args and "torch.distributed.launch" not in p.args:
+        assert p.returncode == code, f"exit status {p.returncode}, not {code}\n{output[-4000:]}"
+        return
+    if code == 0:
+        assert p.returncode == 0 and not worker_exit_codes(output), output[-4000:]
+        return
+    codes = worker_exit_codes(output)
+    assert p.returncode == 1 and codes and set(codes.values()) == {code}, f"{codes}, not {code}\n{output[-4000:]}"
+    if nproc is not None:
+        assert sorted(codes) == list(range(nproc)), f"failed ranks {sorted(codes)}\n{output[-4000:]}"
 
 
 RUNS = itertools.count()
@@ -169,13 +260,41 @@ def checkpoint(out_dir_or_file):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def flat(state, prefix=""):
+    """A state dict, nested ones (an optimizer's state) included, as {"a.b": leaf}."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def max_diff(a, b, keys=None):
-    """Max absolute difference between two state dicts: over all of them (same keys required), or over `keys`."""
+    """Max absolute difference between two state dicts (nested ones too: an optimizer's state), over all their
+    entries (the same keys required) or over `keys`. Every value is looked at: a NaN or inf in any tensor of either
+    side fails, and so does any other entry that differs (an integer tensor such as BatchNorm's num_batches_tracked,
+    a shape, a number)."""
+    a, b = flat(a), flat(b)
     if keys is None:
-        assert a.keys() == b.keys()
-        keys = a.keys()
-    assert set(keys) <= a.keys() and set(keys) <= b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in keys if a[k].is_floating_point())
+        assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))[:10]}"
+        keys = list(a)
+    assert set(keys) <= a.keys() and set(keys) <= b.keys(), sorted(set(keys) - (a.keys() & b.keys()))[:10]
+    largest = 0.0
+    for k in keys:
+        x, y = a[k], b[k]
+        if not (torch.is_tensor(x) and torch.is_tensor(y)):
+            assert x == y, (k, x, y)
+            continue
+        assert x.shape == y.shape, (k, x.shape, y.shape)
+        if not (x.is_floating_point() or x.is_complex()):
+            assert torch.equal(x, y), k
+            continue
+        assert torch.isfinite(x).all() and torch.isfinite(y).all(), f"{k}: NaN or inf"
+        if x.numel():
+            largest = max(largest, (x.double() - y.double()).abs().max().item())
+    return largest
 
 
 def summary_lines(output, prefix="epoch "):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import free_port
+from conftest import SLURM_RAN, address_in_use, clean_env, free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
@@ -55,11 +55,8 @@ class Cluster:
             os.makedirs(os.path.join(root, d), exist_ok=True)
 
     def env(self, **extra):
-        """os.environ without any SLURM_* of an outer job, pointing at this cluster."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        env["SLURM_CONF"] = self.conf
-        env.update(extra)
-        return env
+        """os.environ without any SLURM_* of an outer job (conftest.clean_env), pointing at this cluster."""
+        return clean_env(SLURM_CONF=self.conf, **extra)
 
     def path(self, *names):
         return os.path.join(self.root, *names)
@@ -186,12 +183,30 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
+    """A one-node cluster for this module's tests, started once. Where SLURM cannot run here the tests skip, saying
+    why; with REQUIRE_SLURM=1 (CI, which installs it) they fail instead, so that a green run has really run them."""
     reason = skip_reason()
     if reason:
+        if os.environ.get("REQUIRE_SLURM") == "1":
+            pytest.fail(f"REQUIRE_SLURM=1, but {reason}")
         pytest.skip(reason)
-    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")))
+    for attempt in range(3):  # its ports are picked free, but another process may take one before a daemon binds it
+        cluster = Cluster(str(tmp_path_factory.mktemp("slurm")))
+        try:
+            cluster.start()
+            break
+        except RuntimeError as e:
+            cluster.stop()
+            if not address_in_use(str(e)) or attempt == 2:
+                raise
     try:
-        cluster.start()
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster, request):
+    """The module's cluster, for one test: named in the run's summary ("SLURM" section) as having run on it."""
+    SLURM_RAN.append(request.node.name)
+    return slurm_cluster

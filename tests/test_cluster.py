@@ -22,7 +22,7 @@ import torch
 
 from conftest import children, descendants, free_port
 from conftest import clean_env as fresh_env
-from slurm_cluster import slurm_cluster  # noqa: F401  (a fixture)
+from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds, for any one command
@@ -294,16 +294,16 @@ def sbatch(cluster, args, tmp_path, cwd=REPO, signal_once=None):
 
 @pytest.mark.slow
 @pytest.mark.floor
-def test_srun_trains_like_torchrun(slurm_cluster, reference, tmp_path):
+def test_srun_trains_like_torchrun(slurm, reference, tmp_path):
     out = tmp_path / "run"
     run(["srun", "--ntasks=2", "--kill-on-bad-exit=1", sys.executable] + script_args("ddp_launch_train.py", out),
-        tmp_path / "log", env=clean_env(slurm_cluster.env()))
+        tmp_path / "log", env=clean_env(slurm.env()))
     assert {r["world_size"] for r in metrics(out)} == {2}
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
 @pytest.mark.floor
-def test_plain_python_in_an_sbatch_script_is_one_process(slurm_cluster, tmp_path):
+def test_plain_python_in_an_sbatch_script_is_one_process(slurm, tmp_path):
     # the batch script runs once, on the first node, with SLURM_PROCID=0 and SLURM_NTASKS=2 but no job step:
     # the script must train alone there, not wait for a second rank that nothing starts
     out = tmp_path / "run"
@@ -311,18 +311,18 @@ def test_plain_python_in_an_sbatch_script_is_one_process(slurm_cluster, tmp_path
     batch.write_text("#!/bin/bash\nset -e\nenv | grep ^SLURM_ | sort > env.txt\n"
                      f"exec {sys.executable} {REPO / 'ddp_launch_train.py'} --train-size 96 --val-size 20 "
                      f"--batch-size 12 --epochs 1 --out-dir {out}\n")
-    sbatch(slurm_cluster, ["--ntasks=2", f"--output={tmp_path / 'job.out'}", batch], tmp_path, cwd=tmp_path)
+    sbatch(slurm, ["--ntasks=2", f"--output={tmp_path / 'job.out'}", batch], tmp_path, cwd=tmp_path)
     job_env = dict(line.split("=", 1) for line in (tmp_path / "env.txt").read_text().splitlines())
     assert job_env["SLURM_NTASKS"] == "2" and "SLURM_STEP_NUM_TASKS" not in job_env  # what the test is about
     assert [(r["epoch"], r["world_size"]) for r in metrics(out)] == [(1, 1)]
 
 
 @pytest.mark.slow
-def test_the_example_sbatch_script_trains_on_the_cluster(slurm_cluster, reference, tmp_path):
+def test_the_example_sbatch_script_trains_on_the_cluster(slurm, reference, tmp_path):
     out = tmp_path / "run"
     # one node with 2 CPUs: override the script's nodes, tasks and CPUs (and its output file) on the command line
     # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
-    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+    sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
                            f"--output={tmp_path / 'job.out'}",
                            REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path)
     assert {r["world_size"] for r in metrics(out)} == {2}, (tmp_path / "job.out").read_text()[-3000:]
@@ -330,13 +330,13 @@ def test_the_example_sbatch_script_trains_on_the_cluster(slurm_cluster, referenc
 
 
 @pytest.mark.slow
-def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_exactly(slurm_cluster, reference,
+def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_exactly(slurm, reference,
                                                                                       tmp_path):
     # what --signal=B:USR1@120 does near the time limit: SIGUSR1 to the batch script, here once the first checkpoint
     # is written (step 4 of epoch 1); the script passes it on, the tasks save and stop, the job requeues itself
     out = tmp_path / "run"
     # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
-    sbatch(slurm_cluster, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+    sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
                            f"--output={tmp_path / 'job.out'}",
                            REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path,
            signal_once=(out / "last.pt", "USR1"))

@@ -187,12 +187,19 @@ def test_dp_gpus_without_gpu_is_one_clear_line(tmp_path):
 
 @pytest.mark.floor
 def test_tests_start_scripts_with_no_gpu_visible():
-    """The suite is the CPU/gloo one on every machine: conftest's guard fails any test that starts Python or a SLURM
-    job without clean_env(), which hides the GPUs (on a GPU machine the scripts would pick CUDA and NCCL)."""
-    with pytest.raises(AssertionError, match="without conftest.clean_env"):
-        subprocess.run([sys.executable, "dp_train.py", "--help"], cwd=ROOT, env=dict(os.environ))
-    with pytest.raises(AssertionError, match="without conftest.clean_env"):
-        subprocess.Popen(["srun", "--ntasks=2", "true"])
-    p = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=clean_env(),
-                       capture_output=True, text=True)
-    assert p.stdout.strip() == "0", p.stderr
+    """The suite is the CPU/gloo one on every machine: conftest's guard fails any test that starts a process without
+    clean_env(), which hides the GPUs (on a GPU machine the scripts would pick CUDA and NCCL), whatever the program
+    and however it is started."""
+    ways = [lambda: subprocess.run([sys.executable, "dp_train.py", "--help"], cwd=ROOT, env=dict(os.environ)),
+            lambda: subprocess.Popen(["srun", "--ntasks=2", "true"]),
+            lambda: subprocess.run(["torchrun", "--nproc_per_node=2", "ddp_launch_train.py"], cwd=ROOT),
+            lambda: subprocess.run("bash -c 'python dp_train.py'", shell=True, cwd=ROOT),
+            lambda: subprocess.check_output(["env", "python", "dp_train.py"], cwd=ROOT),
+            lambda: os.system("python dp_train.py --help"),
+            lambda: os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], dict(os.environ))]
+    for start in ways:
+        with pytest.raises(AssertionError, match="without conftest.clean_env"):
+            start()
+    p = subprocess.run([sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"],
+                       env=clean_env(), capture_output=True, text=True)
+    assert p.stdout.strip() == "''", p.stderr  # what clean_env gives every process: no GPU visible
