@@ -132,6 +132,28 @@ def test_scripts_differ_only_in_tagged_lines(script):
     assert not problems, "\n".join(problems)
 
 
+def own_steps_in_readme():
+    """{script: the steps the README says are its own, not compared}, from its sentence on tests/test_drift.py."""
+    import re
+    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    sentence = text[text.index("for every step but a script's own"):].split(" A checkpoint")[0]
+    found = {}
+    for script, names in re.findall(r"`(\w+\.py)`'s (.*?)(?:;|\(|$)", sentence):
+        found[script] = sorted(n for n in re.findall(r"`(\w+)`", names) if n in STEPS + ["setup_distributed"])
+    return found
+
+
+@pytest.mark.floor
+def test_the_readme_names_exactly_the_steps_left_uncompared():
+    """The README says which steps tests/test_drift.py does not compare (a script's own, its `def` tagged): that is
+    exactly what steps() finds, so that the sentence cannot go stale."""
+    ref, said = steps(REFERENCE), own_steps_in_readme()
+    for script in TAGS:
+        mine = steps(script)
+        own = sorted(n for n in ref if n in STEPS + ["setup_distributed"] and mine.get(n, "absent") is None)
+        assert own == said.get(script, []), (script, own, said)
+
+
 BREAKAGES = {  # what a script must not lose: the start of the lines that go
     "check_finite": ["            check_finite(progress.first_bad)"],
     "set_epoch": ["        sampler.set_epoch(epoch)"],
