@@ -118,8 +118,9 @@ def test_data_wait_is_the_time_spent_waiting_for_batches(tmp_path):
         "--out-dir", out, env={"SPENT_FILE": str(spent)})
     row, dataset_s = metrics(str(out))[0], float(spent.read_text())
     assert row["step"] == 30 and dataset_s >= 30 * 0.05, (row, dataset_s)
-    # the Dataset's time, plus sampling and collating 30 batches: far less than the 1.5 s of the steps
-    assert dataset_s <= row["data_wait_s"] <= dataset_s + 0.3, (row, dataset_s)
+    # the Dataset's time, plus sampling and collating 30 batches (milliseconds on a quiet machine; the bound leaves
+    # room for a loaded one): less than a third of the 1.5 s of the steps, which are not in it
+    assert dataset_s <= row["data_wait_s"] <= dataset_s + 0.5, (row, dataset_s)
     # and the steps really took their time, none of which is in data_wait_s (the bound above): epoch_time_s runs
     # from the end of step 1 (common.Progress), so it holds 29 batches and 29 steps of at least 0.05 s each
     assert row["epoch_time_s"] >= 29 * (0.05 + 0.05), row
