@@ -3,12 +3,13 @@ the two 2-process launches) and its JSON output. Nothing about speed is asserted
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, clean_env, free_port
+from conftest import LAUNCHER_PICKS_PORT, ROOT, clean_env
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
 ROWS = {("bare", 1), ("dp_train.py", 1), ("ddp_launch_train.py", 1), ("ddp_spawn_train.py", 1), ("ddp_amp_train.py", 1),
@@ -121,7 +122,7 @@ def test_checkpoint_benchmark_times_every_format(tmp_path):
     """benchmarks/checkpoint.py under torchrun: a row per format, each rank's numbers, and the saves on disk."""
     out = tmp_path / "ckpt.json"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", os.path.join(ROOT, "benchmarks", "checkpoint.py"), "--model",
+                        *LAUNCHER_PICKS_PORT, os.path.join(ROOT, "benchmarks", "checkpoint.py"), "--model",
                         "cnn", "--repeats", "1", "--out-dir", str(tmp_path / "saves"), "--json", str(out)],
                        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -134,3 +135,74 @@ def test_checkpoint_benchmark_times_every_format(tmp_path):
     # one trained step, then saves at steps 2, 3 and 4: file, dcp, async
     assert os.listdir(tmp_path / "saves" / "dcp") == ["ckpt-3"]
     assert os.listdir(tmp_path / "saves" / "async") == ["ckpt-4"]
+
+
+# ---- benchmarks/scaling.py: the figures docs/scaling.md publishes, reproduced by the commands it gives
+SCALING = os.path.join(ROOT, "benchmarks", "scaling.py")
+SCALING_DOC = os.path.join(ROOT, "docs", "scaling.md")
+# the commands behind docs/scaling.md's three tables, in order: the H100 projection (its ```bash block), --check, and
+# "--batch-per-gpu 32 --bandwidth 25 --bandwidth 50, otherwise as above"
+SCALING_RUNS = [["--images-per-s-one-gpu", "2470", "--batch-per-gpu", "256", "--bandwidth", "450", "--bandwidth", "25",
+                 "--bandwidth", "50"],
+                ["--check"],
+                ["--images-per-s-one-gpu", "2470", "--batch-per-gpu", "32", "--bandwidth", "25", "--bandwidth", "50"]]
+
+
+def markdown_tables(text):
+    """Each table of `text` (indented ones too): a list of rows, each a list of its cells' text."""
+    tables, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.strip().startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+def test_scaling_reproduces_every_published_figure():
+    """Every cell of docs/scaling.md's tables is what benchmarks/scaling.py prints today for the command the doc
+    gives (to the printed digit: 0.1 ms, one image/s, 0.1%, 0.01x), and the prose's step times are the projection's:
+    a constant changed in scaling.py (parameters, bucket size, backward share, a reference's inputs) shows here."""
+    doc = open(SCALING_DOC).read()
+    block = re.search(r"```bash\n(.*?)```", doc, re.S).group(1).replace("\\\n", " ").split()
+    assert block == ["python", "benchmarks/scaling.py", *SCALING_RUNS[0]]  # the first command: the doc's ```bash block
+    published = markdown_tables(doc)
+    assert len(published) == len(SCALING_RUNS)
+    outputs = []
+    for args, table in zip(SCALING_RUNS, published):
+        p = subprocess.run([sys.executable, SCALING, *args], cwd=ROOT, env=clean_env(), capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        projected = markdown_tables(p.stdout)
+        assert len(projected) == 1, p.stdout
+        assert projected[0][0] == table[0]  # the same columns
+        for ours, theirs in zip(projected[0], table):
+            assert ours == theirs, f"scaling.py {' '.join(args)}: {ours}\n  but docs/scaling.md has {theirs}"
+        assert len(projected[0]) == len(table)
+        outputs.append(p.stdout)
+    # "A step computes for 103.6 ms, 69.1 ms of it backward": the first run's own header line
+    compute, backward = re.search(r"A step computes for ([\d.]+) ms, ([\d.]+) ms of it backward", doc).groups()
+    assert f"compute {compute} ms per step, backward {backward} ms" in outputs[0], outputs[0]
+
+
+def test_scaling_check_is_within_its_stated_error_of_the_published_figures():
+    """Each reference of docs/scaling.md's --check table: scaling.py's projection (unrounded) over the published
+    images/s per GPU (as the doc gives it, to one image/s) is the doc's `projected / published` (to 0.1%)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("scaling", SCALING)
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    head, _, *rows = markdown_tables(open(SCALING_DOC).read())[1]
+    col = {name: i for i, name in enumerate(head)}
+    assert len(rows) == len(scaling.REFERENCES) == 3
+    for row in rows:
+        name, stated = row[col["reference"]], float(row[col["projected / published"]].rstrip("%"))
+        published = float(row[col["images/s per GPU: projected"] + 1].replace(",", ""))  # its 'published' beside
+        _, one_gpu, batch, gpus, gb_per_s, *_ = next(r for r in scaling.REFERENCES if r[0] == name)
+        assert (gpus, gb_per_s) == (int(row[col["GPUs"]]), float(row[col["GB/s"]]))
+        _, per_gpu, _ = scaling.project(one_gpu, batch, gpus, gb_per_s)
+        # the doc's published figure is rounded to one image/s, its error to 0.1%: within both roundings
+        low, high = per_gpu / (published + 0.5) * 100 - 100, per_gpu / (published - 0.5) * 100 - 100
+        assert low <= stated + 0.05 and stated - 0.05 <= high, f"{name}: projected {per_gpu:.1f}/s per GPU is " \
+            f"{low:+.2f}% to {high:+.2f}% of the published {published:g}/s, not the stated {stated:+.1f}%"

@@ -1,0 +1,174 @@
+"""Documented claims that no other test checks, each checked on the real processes: Ctrl-C (docs/failures.md),
+torchrun's --master_port=0 refused in one line (common.torchrun_store), and the default thread count
+(common.set_cpu_threads: the cores of the affinity mask shared among the processes of the machine)."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import conftest
+from conftest import ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, descendants, kill_tree
+from test_precision import see_env, seen
+
+
+def alive(pid):
+    """Running, not a zombie (a zombie has exited; its parent has only not read its status yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start(cmd, env, logs, **kw):
+    """`cmd` in a session of its own, its output in files under `logs`, not pipes: a process it leaves behind, still
+    holding them, cannot keep the test waiting for its output."""
+    logs.mkdir(exist_ok=True)
+    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True, **kw)
+    p.logs = logs
+    return p
+
+
+def output(p):
+    return (p.logs / "stdout").read_text(), (p.logs / "stderr").read_text()
+
+
+def finish(p, timeout):
+    """p's output once it has exited; past `timeout` its whole tree is killed and the test fails."""
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        p.wait(timeout=30)
+        out, err = output(p)
+        raise AssertionError(f"still running after {timeout} s: {' '.join(p.args)}\n{out[-2000:]}\n{err[-6000:]}")
+    return output(p)
+
+
+# ---- Ctrl-C: "every process unwinds, destroys its process group and exits; no half-written file, no orphan"
+# Imported first by every Python process of the run (PYTHONPATH; not by mp.spawn's resource tracker, which would
+# import torch for nothing): each destroy_process_group that returns leaves a file named after its process in
+# GONE_DIR. The scripts call dist.destroy_process_group, looked up at each call: the patched one.
+GONE = '''
+import os, sys
+if os.environ.get("GONE_DIR") and "multiprocessing.resource_tracker" not in " ".join(sys.orig_argv):
+    import torch.distributed as dist
+    _destroy = dist.destroy_process_group
+
+    def _destroyed(*args, **kwargs):
+        result = _destroy(*args, **kwargs)
+        open(os.path.join(os.environ["GONE_DIR"], str(os.getpid())), "w").close()
+        return result
+    dist.destroy_process_group = _destroyed
+'''
+LONG = ["--train-size", 20000, "--val-size", 20, "--batch-size", 8, "--save-every", 2]  # minutes of training
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["spawn", "torchrun"])
+def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
+    """Ctrl-C in a terminal sends SIGINT to the foreground process group: here, the group of the session the run
+    was started in. What then happens, from the code:
+
+    * spawn: the parent and both children are in that group. Each child's KeyboardInterrupt unwinds worker() through
+      its `finally` (destroy_process_group), then torch.multiprocessing's wrapper ends the child (status 130 on
+      torch 2.15, 0 on 2.11: not seen here). The parent's KeyboardInterrupt, raised at once in `children.join()`,
+      leaves through its `finally` (which ends and joins any child still running) and, uncaught, ends Python the
+      way an uncaught KeyboardInterrupt does: killed by SIGINT, status -2.
+    * torchrun: its workers run in sessions of their own, so only the agent gets the SIGINT. Its handler raises
+      SignalException, which stops the workers by sending each of them SIGINT (SIGKILL 30 s later if one is still
+      there): each unwinds through its `finally` (destroy_process_group). The agent then exits 1 with the
+      SignalException ("got signal: 2"): torchrun's status for a launcher stopped by a signal."""
+    out = tmp_path / "out"
+    gone_dir, hook_dir = tmp_path / "gone", tmp_path / "hook"
+    gone_dir.mkdir()
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(GONE)
+    env = clean_env(GONE_DIR=str(gone_dir),
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(hook_dir), os.environ.get("PYTHONPATH")])))
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *conftest.LAUNCHER_PICKS_PORT,
+            "ddp_launch_train.py"] if launch == "torchrun" else [sys.executable, "ddp_spawn_train.py", "--nprocs", "2"])
+    p = start([*cmd, *map(str, LONG), "--out-dir", str(out)], env, tmp_path / "logs")
+    try:
+        t = time.time()
+        while not (out / "last.pt").exists():  # training, and a checkpoint written
+            assert p.poll() is None, output(p)
+            assert time.time() - t < 180, "no last.pt after 180 s"
+            time.sleep(0.2)
+        tree = descendants(p.pid)  # listed now: an orphan can no longer be traced to its launcher
+        workers = [w for w in tree if "spawn_main" in open(f"/proc/{w}/cmdline").read()
+                   or "ddp_launch_train.py" in open(f"/proc/{w}/cmdline").read()]
+        assert len(workers) == 2, tree
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
+        _, err = finish(p, 90)  # torchrun waits up to 30 s for its workers before it kills them
+    finally:
+        if p.poll() is None:
+            kill_tree(p.pid)
+    t = time.time()
+    while [q for q in tree if alive(q)] and time.time() - t < 30:  # mp.spawn's resource tracker leaves last
+        time.sleep(0.2)
+    orphans = [q for q in tree if alive(q)]
+    for q in orphans:  # not left running after the test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(q, signal.SIGKILL)
+    assert not orphans, f"orphans: {orphans} of {tree}\n{err[-4000:]}"
+    destroyed = {int(f) for f in os.listdir(gone_dir)}
+    assert set(workers) <= destroyed, f"workers {workers}, process groups destroyed by {destroyed}\n{err[-4000:]}"
+    assert [f for f in os.listdir(out) if ".tmp" in f] == []  # no half-written file
+    assert checkpoint(str(out))["step_in_epoch"] >= 2  # the last checkpoint is complete, loadable
+    if launch == "spawn":
+        assert p.returncode == -signal.SIGINT, (p.returncode, err[-4000:])
+    else:
+        assert p.returncode == 1 and "got signal: 2" in err, (p.returncode, err[-4000:])
+
+
+# ---- torchrun --master_port=0: refused by every worker, one line, before anything is written
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", "fsdp_train.py"])
+def test_torchrun_master_port_0_is_one_error_line(tmp_path, script):
+    """torchrun's static rendezvous on --master_port=0 binds its store on a port the OS picks, but tells the workers
+    MASTER_PORT=0: common.torchrun_store refuses it on every rank (a UsageError: status 2) rather than let them try
+    to reach port 0 until the 10-minute timeout. conftest.run's torchrun adds a --master_port of its own: not used."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", script,
+           "--train-size", "64", "--val-size", "20", "--batch-size", "8", "--max-steps", "2",
+           "--out-dir", str(tmp_path / "out")]
+    p = start(cmd, clean_env(), tmp_path / "logs")
+    out, err = finish(p, 120)
+    p = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    errors = [line for line in (out + err).splitlines() if "error:" in line]
+    assert errors == ["error: torchrun --master_port=0 tells the workers port 0: give a free port, or use "
+                      "--standalone"], out + err
+    assert_exit(p, 2)  # torchrun exits 1; each failed worker in its report, 2
+    assert not (tmp_path / "out").exists()
+
+
+# ---- threads: without OMP_NUM_THREADS, the cores of the affinity mask shared among this machine's processes
+CPUS = sorted(os.sched_getaffinity(0))
+TWO_CPUS = pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 CPUs in this process's affinity mask, has {len(CPUS)}")
+
+
+@pytest.mark.parametrize("script,nprocs,cpus,threads", [
+    # torch's own default would be 2 (the cores of the mask) in each: set_cpu_threads makes it 2 // 2
+    pytest.param("ddp_spawn_train.py", 2, 2, 1, marks=[TWO_CPUS, pytest.mark.slow], id="spawn-2-processes-2-cpus"),
+    pytest.param("ddp_launch_train.py", None, 2, 2, marks=TWO_CPUS, id="one-process-2-cpus"),
+    pytest.param("ddp_launch_train.py", None, 1, 1, id="one-process-1-cpu"),
+])
+def test_default_threads_share_the_affinity_mask(tmp_path, script, nprocs, cpus, threads):
+    """Observed in each training process (SEE's record at its first training forward), not computed here."""
+    env, see_dir = see_env(tmp_path)
+    env = clean_env(**env)
+    del env["OMP_NUM_THREADS"]  # the case under test: nobody chose
+    mask = CPUS[:cpus]
+    cmd = [sys.executable, script, "--train-size", "64", "--val-size", "20", "--batch-size", "8", "--max-steps", "2",
+           "--out-dir", str(tmp_path / "out")]
+    cmd += ["--nprocs", str(nprocs)] if nprocs else []
+    p = start(cmd, env, tmp_path / "logs", preexec_fn=lambda: os.sched_setaffinity(0, mask))  # as `taskset -c`
+    out, err = finish(p, TIMEOUT)
+    assert p.returncode == 0, out[-2000:] + err[-4000:]
+    processes = seen(see_dir)
+    assert len(processes) == (nprocs or 1), processes
+    assert [(s["cpus"], s["threads"]) for s in processes] == [(cpus, threads)] * len(processes), processes
