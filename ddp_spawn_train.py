@@ -304,8 +304,12 @@ if __name__ == "__main__":  # [spawn]
     try:
         _, _, nprocs = check_setup(args)
     except common.UsageError as e:
+        # leaving anyway: a launcher's SIGTERM (torchrun's, once a first copy has exited) must not cut this short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if common.launcher_rank() == 0:  # started by mistake as several copies: one line, once
             print(f"error: {e}", file=sys.stderr)
+        else:
+            time.sleep(0.5)  # and the first copy says why before the others exit
         sys.exit(2)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a free port, never a hard-coded one that another job may hold
@@ -324,7 +328,7 @@ if __name__ == "__main__":  # [spawn]
         while not children.join():  # if one child fails, join ends the others and raises
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code not in (1, 2, 143):  # the child said why already (143: stopped by SIGTERM); else: say so
+        if e.exit_code not in (1, 2, 3, 143):  # the child said why already (143: stopped by SIGTERM); else: say so
             print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
     finally:

@@ -280,6 +280,10 @@ if __name__ == "__main__":  # [dp] one process: no launcher, no process group
     try:
         main(args)
     except (common.UsageError, common.NonFinite, common.Stopped) as e:
+        # leaving anyway: a launcher's SIGTERM (torchrun's, once a first copy has exited) must not cut this short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if common.launcher_rank() == 0:  # started by mistake as several copies: one line, once
             print(e if isinstance(e, common.Stopped) else f"error: {e}", file=sys.stderr)
+        else:
+            time.sleep(0.5)  # and the first copy says why before the others exit
         sys.exit(common.exit_code(e))  # the table in docs/failures.md

@@ -1,5 +1,7 @@
-"""Failure: bad input gets one line (printed once) and a non-zero exit, overwriting nothing; a NaN loss stops every
-rank at the same step; SIGTERM ends every process cleanly; a crashed mp.spawn child ends the others."""
+"""Failure: bad input gets one line (printed once) and exit status 2, overwriting nothing; a NaN loss stops every
+rank at the same step, status 1; SIGTERM ends every process cleanly; a crashed mp.spawn child ends the others.
+Statuses are asserted with conftest.assert_exit: the process's own under python and mp.spawn, every worker's in
+torchrun's report under torchrun (docs/failures.md, "Exit codes")."""
 import importlib.util
 import os
 import signal
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, checkpoint, clean_env, descendants, free_port, kill_tree, max_diff, metrics, run
+from conftest import ROOT, assert_exit, checkpoint, clean_env, descendants, free_port, kill_tree, max_diff, metrics, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -61,9 +63,11 @@ BAD = {  # name: (arguments, words the one error line must contain)
 TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline"}
 
 
-def one_error_line(p):
+def one_error_line(p, code=2, nproc=None):
+    """The one `error:` line of a run that ended with the documented status `code` (2: bad input; under torchrun,
+    every failed worker's status, all `nproc` of them if given)."""
+    assert_exit(p, code, nproc)
     lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert p.returncode != 0, p.stderr
     assert len(lines) == 1, p.stderr  # once, not once per rank
     assert "[rank" not in p.stderr  # no worker traceback (torchrun adds a failure report of its own)
     if "torch.distributed.run" not in p.args:
@@ -83,7 +87,7 @@ def test_bad_input(previous_run, name):
     launch = dict(launcher="torchrun", nproc=2) if name in TWO_PROCESSES else {}
     offline = {"TORCH_HOME": str(previous_run / "torch_home"), "https_proxy": "http://127.0.0.1:9"}
     p = run("ddp_launch_train.py", *TINY, *args, "--out-dir", out, check=False, env=offline, **launch)
-    assert words.format(d=previous_run) in one_error_line(p)
+    assert words.format(d=previous_run) in one_error_line(p, 2, launch.get("nproc"))  # both ranks under torchrun
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing overwritten, nothing added
 
 
@@ -170,7 +174,7 @@ def test_nan_stops_every_rank(tmp_path, launcher):
     else:
         p = run("ddp_spawn_train.py", *NAN, "--nprocs", 2, "--out-dir", tmp_path, check=False)
     assert time.time() - t < 60  # promptly, no hang
-    line = one_error_line(p)
+    line = one_error_line(p, 1, nproc=2 if launcher == "torchrun" else None)  # spawn: the parent's own status
     assert "NaN/inf at step" in line
     first_bad = int(line.split("at step ")[1].split(":")[0])
     ckpt = checkpoint(str(tmp_path))  # the last good checkpoint, untouched: written before the first bad step
@@ -242,7 +246,9 @@ def test_spawn_child_crash_ends_the_others(tmp_path):
     finally:
         if p.poll() is None:
             kill_tree(p.pid)
-    assert p.returncode != 0
-    assert "SIGKILL" in err, err  # the parent says what happened to the child
+    # no documented status for a killed child: the parent exits 1 (ddp_spawn_train.py: a child's positive status is
+    # passed on, a signal's negative one becomes 1)
+    assert p.returncode == 1, (p.returncode, err)
+    assert "error: process 1 terminated with signal SIGKILL" in err, err  # the parent says what happened to the child
     time.sleep(1)
     assert not [w for w in workers if alive(w)]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from conftest import ROOT, checkpoint, clean_env, max_diff, metrics, run
+from conftest import ROOT, assert_exit, checkpoint, clean_env, max_diff, metrics, run
 
 FSDP, DDP = "fsdp_train.py", "ddp_launch_train.py"
 # 384 samples, global batch 24: 16 steps per epoch. 97 validation samples: with 2 and 3 processes one rank has a
@@ -293,7 +293,7 @@ def test_bf16_trains_a_batchnorm_model(runs):
 def test_bad_input_one_line(tmp_path, nproc, args, words):
     logs = tmp_path / "logs"
     p = launch(FSDP, nproc, [*args, "--device", "cpu", "--out-dir", tmp_path / "out"], log_dir=logs, check=False)
-    assert p.returncode != 0
+    assert_exit(p, 2, nproc)  # bad input: status 2; under torchrun, each worker's in its report
     if nproc == 1:
         stderr = {0: p.stderr}
     else:  # torchrun --redirects: each rank's stderr in <log-dir>/<run>/attempt_0/<rank>/stderr.log

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, checkpoint, clean_env, metrics, run, summary_lines
+from conftest import ROOT, assert_exit, checkpoint, clean_env, metrics, run, summary_lines
 
 SMALL = ["--train-size", 3072, "--val-size", 500, "--epochs", 2, "--log-every", 10]
 SCRIPTS = {  # name: (script, launcher, processes, extra args); the global batch is 64 everywhere
@@ -63,7 +63,11 @@ def test_metrics_format(script_run, name):
                     "world_size", "peak_mem_mb"):
             assert key in row, key
         assert row["world_size"] == (1 if name == "dp" else 2)
-        assert row["samples_per_s"] > 0 and row["peak_mem_mb"] > 0
+        # the throughput of the timed part of the epoch: from the end of its first step (3072 / 64 = 48 steps)
+        assert row["samples_per_s"] == pytest.approx(47 * 64 / row["epoch_time_s"], rel=1e-6), row
+        # on the CPU: the process's peak resident memory in MiB (torch alone takes ~300); KiB or bytes would be
+        # 1,024 or 2**20 times larger
+        assert 100 < row["peak_mem_mb"] < 16 * 1024, row
         assert 0 <= row["data_wait_s"] < 0.05 * row["epoch_time_s"] + 0.05  # in memory: no waiting for data
     assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
 
@@ -130,7 +134,7 @@ def test_mnist_files(tmp_path):
 def test_mnist_missing_says_how_to_fix(tmp_path):
     p = run("ddp_launch_train.py", "--dataset", "mnist", "--data-dir", tmp_path, "--out-dir", tmp_path / "out",
             launcher="torchrun", nproc=2, check=False)
-    assert p.returncode != 0
+    assert_exit(p, 2, nproc=2)  # bad input (no data): torchrun exits 1, both of its workers 2
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--dataset synthetic" in errors[0] and "MNIST" in errors[0], p.stderr
     assert not (tmp_path / "out").exists()
@@ -182,7 +186,8 @@ def test_dp_model_with_loss_matches_plain_loss():
 
 def test_dp_gpus_without_gpu_is_one_clear_line(tmp_path):
     p = run("dp_train.py", "--gpus", "0,1", "--out-dir", tmp_path, check=False)
-    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --gpus"), p.stderr
+    assert_exit(p, 2)
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: --gpus"), p.stderr
 
 
 @pytest.mark.floor
