@@ -82,15 +82,16 @@ def initial_weights(seed=0):
 
 
 def assert_same_training(a, b, measured=None, what="", tol=DDP["tol"], momentum_tol=DDP["momentum_tol"],
-                         loss_tol=DDP["loss_tol"]):
+                         loss_tol=DDP["loss_tol"], last_rows=None):
     """Two runs (output folders) trained alike: weights within `tol` and optimizer state (momentum) within
     `momentum_tol`, with no NaN/inf anywhere (conftest.max_diff); the same param groups, scheduler state and
     position; and the same metrics rows: the step, epoch, val_count and learning rate of every row exactly, losses
-    within `loss_tol` (relative) and accuracies within one validation sample. Returns the weights' difference;
-    `measured` records it and the others."""
+    within `loss_tol` (relative) and accuracies within one validation sample (the last `last_rows` of each, if
+    given: a run resumed into another folder has only its own). Returns the weights' difference; `measured` records
+    it and the others."""
     ca, cb = checkpoint(a), checkpoint(b)
     weights, momentum = max_diff(ca["model"], cb["model"]), max_diff(ca["optimizer"]["state"], cb["optimizer"]["state"])
-    ra, rb = metrics(a), metrics(b)
+    ra, rb = metrics(a)[-(last_rows or 0):], metrics(b)[-(last_rows or 0):]
     assert len(ra) == len(rb), (what, ra, rb)
     losses = max([abs(x[k] - y[k]) / abs(y[k]) for x, y in zip(ra, rb) for k in ("train_loss", "val_loss")],
                  default=0.0)
