@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, assert_exit, checkpoint, clean_env, descendants, free_port, kill_tree, max_diff, metrics, run
+from conftest import ROOT, assert_exit, checkpoint, clean_env, descendants, kill_tree, max_diff, metrics, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -125,37 +125,6 @@ def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path
     common.make_model("cnn", 1, 10).load_state_dict(back["model"])
 
 
-@pytest.mark.slow
-def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
-    """SIGKILL to every process while a ckpt-<step>.tmp is being written: --resume auto skips it (and a folder
-    without meta.pt, as a kill between DCP's end and the rename would leave), resumes from the newest complete
-    one and finishes the run."""
-    args = ["--train-size", 384, "--val-size", 20, "--batch-size", 12, "--epochs", 2, "--ckpt-format", "dcp",
-            "--out-dir", tmp_path]
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          f"--master_port={free_port()}", "ddp_launch_train.py", *map(str, args), "--async-save",
-                          "--save-every", "1"], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        t = time.time()
-        while not [f for f in os.listdir(tmp_path) if f.endswith(".tmp") and f != "ckpt-1.tmp"]:
-            assert p.poll() is None and time.time() - t < 120, p.communicate()
-            time.sleep(0.005)
-        kill_tree(p.pid)  # mid-save
-        p.communicate()
-    finally:
-        kill_tree(p.pid)
-    saved = common.newest_checkpoint(str(tmp_path))
-    step = int(saved.split("-")[-1])
-    assert step >= 1 and os.path.isfile(os.path.join(saved, "meta.pt"))
-    (tmp_path / "ckpt-99").mkdir()  # complete by DCP's account, never renamed: no meta.pt
-    (tmp_path / "ckpt-99" / ".metadata").write_bytes((tmp_path / f"ckpt-{step}" / ".metadata").read_bytes())
-    r = run("ddp_launch_train.py", *args, "--resume", "auto", launcher="torchrun", nproc=2)
-    assert f"resuming at step {step}" in r.stdout
-    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []  # the cut-short save was cleared away
-    assert metrics(str(tmp_path))[-1]["step"] == 32
-
-
 def test_dp_gpus_naming_a_gpu_that_is_not_visible_is_one_line(tmp_path):
     p = run("dp_train.py", "--gpus", 1, "--out-dir", tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"}, check=False)
     assert "--gpus 1: " in one_error_line(p) and "(CUDA_VISIBLE_DEVICES=0)" in one_error_line(p)
@@ -204,34 +173,6 @@ def wait_for(path, p, seconds=120):
         assert p.poll() is None, p.communicate()
         assert time.time() - t < seconds, "timed out"
         time.sleep(0.2)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launch", [pytest.param("torchrun", marks=pytest.mark.floor), "spawn", "torchrun-async"])
-def test_sigterm_ends_everything_cleanly(tmp_path, launch):
-    """Also with --async-save: the save on a signal is synchronous, complete before the processes end."""
-    cmd = (["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "ddp_launch_train.py"]
-           if launch.startswith("torchrun") else ["ddp_spawn_train.py", "--nprocs", "2"])
-    cmd += ["--ckpt-format", "dcp", "--async-save"] if launch == "torchrun-async" else []
-    p = launch_long(cmd, tmp_path)
-    try:
-        wait_for(tmp_path / ("ckpt-5" if launch == "torchrun-async" else "last.pt"), p)  # a checkpoint written
-        workers = descendants(p.pid)
-        assert len(workers) >= 2
-        p.send_signal(signal.SIGTERM)  # as SLURM does on preemption
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            kill_tree(p.pid)
-    assert p.returncode != 0
-    time.sleep(1)
-    assert not [w for w in workers if alive(w)], "orphan worker processes"
-    assert [f for f in os.listdir(tmp_path) if ".tmp" in f] == []  # no half-written file
-    if launch == "torchrun-async":  # the last checkpoint is complete, saved at the step where it stopped
-        common.sharded_to_file(common.newest_checkpoint(str(tmp_path)), str(tmp_path / "converted.pt"))
-        assert checkpoint(str(tmp_path / "converted.pt"))["step_in_epoch"] > 5
-    else:
-        checkpoint(str(tmp_path))  # the last checkpoint is complete
 
 
 @pytest.mark.slow

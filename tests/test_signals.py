@@ -1,0 +1,425 @@
+"""Signals prove the save: SIGTERM and SIGUSR1 in every launch style (one plain process, torchrun's workers, mp.spawn's
+parent, ranks started by hand with env://; srun and sbatch in test_cluster.py) stop the run with a checkpoint written
+*after* the signal, at the step every rank agreed on, and the documented status (docs/failures.md: 0 after SIGUSR1,
+143 after SIGTERM; torchrun itself exits 1 and names each worker's 143). A save that a signal or a kill interrupts,
+in the one-file format and in the sharded one written in the background (fsdp_train.py --ckpt-format dcp
+--async-save), leaves a whole checkpoint to resume.
+
+Each moment is made exact by the hooks of tests/hooks.py, which touch only torch's and Python's own functions: every
+rank waits after optimizer step PAUSE until the test has sent its signal and the signalled processes have taken it,
+so that the step a run stops at is known (the run itself learns a signal at the step it came in one process; with
+several, every rank learns it one step later: docs/failures.md); a save waits half-written, or with its part written
+and its folder still ckpt-<step>.tmp, until the test has signalled or killed. What a test checks is what a user sees:
+exit statuses, the one `stopped by` line, the files, and the optimizer steps each rank took (the hooks count them).
+"""
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import LAUNCHER_PICKS_PORT, address_in_use, assert_exit, children, free_port, max_diff, metrics, run
+from hooks import Hooks, Proc, clean_env, running, signal_pending, torchrun, worker_env
+
+# 384 samples, batches of 12: 32 steps per epoch in one process, 16 in two; a checkpoint every 4 steps
+TINY = ["--train-size", "384", "--val-size", "101", "--batch-size", "12", "--save-every", "4"]
+PAUSE = 6  # the ranks wait after this optimizer step: the last checkpoint before the signal is step 4's
+CODE = {signal.SIGTERM: 143, signal.SIGUSR1: 0}  # docs/failures.md, "Exit codes"
+# from the ranks going on after the signal to the exit: below torchrun's 30 s between its SIGTERM and its SIGKILL;
+# at most 7.4 s measured on this 2-core machine under a load average of 7
+SECONDS = 30
+
+
+def stopped(log, sig):
+    """The steps of the `stopped by <SIG> at step N` lines (rank 0's, once)."""
+    return [int(s) for s in re.findall(rf"stopped by {sig.name} at step (\d+), where last.pt was saved", log)]
+
+
+def position(ckpt, steps_per_epoch):
+    return ckpt["epoch"] * steps_per_epoch + ckpt["step_in_epoch"]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def temporary(out):
+    return sorted(p.name for p in out.iterdir() if ".tmp" in p.name)
+
+
+def complete_sharded(out):
+    """The ckpt-<step> folders that hold meta.pt (written once DCP finished every rank's part), by step."""
+    return sorted((int(p.name[5:]) for p in out.glob("ckpt-*") if re.fullmatch(r"ckpt-\d+", p.name)
+                   and (p / "meta.pt").is_file()))
+
+
+def workers(proc):
+    """{rank: pid} of torchrun's workers."""
+    found = {int(worker_env(pid)["RANK"]): pid for pid in children(proc.p.pid) if "RANK" in worker_env(pid)}
+    assert len(found) == 2, f"workers of torchrun (pid {proc.p.pid}): {found}"
+    return found
+
+
+def start(tmp_path, cmd, hooks, **env):
+    return Proc(cmd, tmp_path / "log", env=clean_env(**hooks.env, **env))
+
+
+def paused(proc, hooks, ranks):
+    """Once every one of `ranks` waits at PAUSE: {rank: pid}. Nothing writes a checkpoint meanwhile."""
+    proc.until(lambda: sorted(hooks.paused()) == sorted(ranks), f"ranks {ranks} waiting at step {PAUSE}")
+    return hooks.paused()
+
+
+def signal_at_the_pause(proc, hooks, ranks, sig, to=None, stacks=False, release=()):
+    """Once every one of `ranks` waits at PAUSE: (with stacks, SIGUSR2 to each, one at a time) `sig` to the ranks
+    `to` (a list; default: all), or to the launcher of pid `to` (an int), which passes it on; then, once every rank
+    it was meant for has taken it, every rank goes on (release: only what waits there, of hooks.go; default: all
+    that waits). Returns the monotonic time they went on."""
+    pids = paused(proc, hooks, ranks)
+    for pid in pids.values() if stacks else []:  # two dumps at once would interleave their lines
+        os.kill(pid, signal.SIGUSR2)
+        time.sleep(0.3)
+    meant = [pids[r] for r in (ranks if to is None or isinstance(to, int) else to)]
+    for pid in [to] if isinstance(to, int) else meant:
+        os.kill(pid, sig)
+    proc.until(lambda: all(hooks.handled(pid, sig) for pid in meant), f"{sig.name} taken by {meant}")
+    hooks.go(*release)
+    return time.monotonic()
+
+
+def finish(proc, went_on, measured, what):
+    proc.wait(expect=None)
+    seconds = measured(f"{what}: seconds from going on after the signal to the exit", time.monotonic() - went_on,
+                       SECONDS)
+    assert seconds < SECONDS, f"{seconds:.1f} s from going on after the signal to the exit\n{proc.output()[-3000:]}"
+    return proc.result()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The final weights of an uninterrupted torchrun run of ddp_launch_train.py, 2 processes, 1 epoch."""
+    out = tmp_path_factory.mktemp("reference")
+    run("ddp_launch_train.py", *TINY, "--epochs", 1, "--out-dir", out, launcher="torchrun", nproc=2)
+    return load(out / "last.pt")["model"]
+
+
+# ---- one process: plain python
+@pytest.mark.parametrize("script, sig", [
+    pytest.param("ddp_launch_train.py", signal.SIGTERM, marks=pytest.mark.floor),
+    pytest.param("dp_train.py", signal.SIGUSR1, marks=pytest.mark.floor),
+    ("ddp_launch_train.py", signal.SIGUSR1), ("dp_train.py", signal.SIGTERM)], ids=lambda v: getattr(v, "name", v))
+def test_a_signal_to_one_process_saves_at_the_step_it_came_and_exits_with_its_status(script, sig, tmp_path,
+                                                                                   measured):
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    proc = start(tmp_path, [sys.executable, script, *TINY, "--epochs", 1, "--out-dir", out], hooks)
+    try:
+        paused(proc, hooks, [0])
+        before = position(load(out / "last.pt"), 32)
+        went_on = signal_at_the_pause(proc, hooks, [0], sig)
+        p = finish(proc, went_on, measured, f"{script} {sig.name}")
+    finally:
+        proc.kill()
+    assert before == 4
+    assert_exit(p, CODE[sig])
+    assert stopped(p.stdout, sig) == [PAUSE], p.stdout[-3000:]  # one process: it stops at the step the signal came
+    assert "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert position(load(out / "last.pt"), 32) == PAUSE  # saved there, after the signal
+    assert hooks.steps() == {0: PAUSE}  # and trained no further
+    assert temporary(out) == []
+
+
+# ---- torchrun: the signal to its workers, as torchrun and SLURM send it
+@pytest.mark.slow
+@pytest.mark.floor
+def test_sigterm_to_the_torchrun_workers_saves_at_the_step_they_agreed_on_and_the_resume_ends_exactly(
+        reference, tmp_path, measured):
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
+                 [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+    try:
+        pids = paused(proc, hooks, [0, 1])
+        before = position(load(out / "last.pt"), 16)
+        went_on = signal_at_the_pause(proc, hooks, [0, 1], signal.SIGTERM, stacks=True)
+        p = finish(proc, went_on, measured, "torchrun SIGTERM")
+    finally:
+        proc.kill()
+    log = p.stdout
+    assert log.count("most recent call first") >= 2, log[-3000:]  # SIGUSR2: each worker printed its stacks...
+    assert 'ddp_launch_train.py", line' in log  # ...in the training script, and went on
+    assert before == 4
+    assert_exit(p, 143, nproc=2)  # torchrun exits 1; its report: each worker's 143
+    assert stopped(log, signal.SIGTERM) == [PAUSE + 1], log[-3000:]  # learnt by every rank one step later
+    assert position(load(out / "last.pt"), 16) == PAUSE + 1  # saved there, after the signal
+    assert hooks.steps() == {0: PAUSE + 1, 1: PAUSE + 1}  # where every rank stopped
+    assert temporary(out) == []
+    assert not [pid for pid in pids.values() if running(pid)], "worker processes left running"
+    log = run("ddp_launch_train.py", *TINY, "--epochs", 1, "--resume", "auto", "--out-dir", out,
+              launcher="torchrun", nproc=2).stdout
+    assert f"resuming at step {PAUSE + 1}" in log
+    assert [r["epoch"] for r in metrics(out)] == [1]
+    assert max_diff(load(out / "last.pt")["model"], reference) == 0
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_fsdp_worker_stops_every_rank_at_one_step_in_one_sharded_checkpoint(tmp_path, measured):
+    """A signal to one rank only (a scheduler that signals one process): every rank learns it at the same step, and
+    each writes its part of the same ckpt-<step> folder."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    args = [*TINY, "--epochs", 1, "--ckpt-format", "dcp", "--out-dir", out]
+    proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "fsdp_train.py") + args, hooks)
+    try:
+        paused(proc, hooks, [0, 1])
+        before = complete_sharded(out)
+        went_on = signal_at_the_pause(proc, hooks, [0, 1], signal.SIGUSR1, to=[1])
+        p = finish(proc, went_on, measured, "fsdp_train.py SIGUSR1 to rank 1")
+    finally:
+        proc.kill()
+    assert before == [4]
+    assert_exit(p, 0)  # exit 0: torchrun restarts nothing, the job may requeue
+    assert stopped(p.stdout, signal.SIGUSR1) == [PAUSE + 1], p.stdout[-3000:]
+    assert complete_sharded(out) == [4, PAUSE + 1]
+    ckpt = out / f"ckpt-{PAUSE + 1}"
+    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]  # both ranks' parts
+    assert position(load(ckpt / "meta.pt"), 16) == PAUSE + 1
+    assert hooks.steps() == {0: PAUSE + 1, 1: PAUSE + 1}
+    assert temporary(out) == []
+    log = run("fsdp_train.py", *args, "--resume", "auto", launcher="torchrun", nproc=2).stdout
+    assert f"resuming at step {PAUSE + 1}" in log
+    assert [r["epoch"] for r in metrics(out)] == [1]
+
+
+# ---- mp.spawn: the signal to the parent (the process a scheduler started), which passes it on to its children
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_to_the_spawn_parent_reaches_every_child_which_save_at_one_step(sig, reference, tmp_path, measured):
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    args = ["--nprocs", "2", *TINY, "--epochs", 1, "--out-dir", out]
+    proc = start(tmp_path, [sys.executable, "ddp_spawn_train.py", *args], hooks)
+    try:
+        pids = paused(proc, hooks, [0, 1])
+        before = position(load(out / "last.pt"), 16)
+        went_on = signal_at_the_pause(proc, hooks, [0, 1], sig, to=proc.p.pid)
+        p = finish(proc, went_on, measured, f"spawn {sig.name}")
+    finally:
+        proc.kill()
+    assert before == 4
+    assert_exit(p, CODE[sig])  # the parent's status
+    assert stopped(p.stdout, sig) == [PAUSE + 1], p.stdout[-3000:]
+    assert "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert position(load(out / "last.pt"), 16) == PAUSE + 1
+    assert hooks.steps() == {0: PAUSE + 1, 1: PAUSE + 1}
+    assert temporary(out) == []
+    assert not [pid for pid in pids.values() if running(pid)], "child processes left running"
+    if sig == signal.SIGUSR1:  # a time limit's notice: the requeued run goes on from there as if never stopped
+        log = run("ddp_spawn_train.py", *args, "--resume", "auto").stdout
+        assert f"resuming at step {PAUSE + 1}" in log
+        assert max_diff(load(out / "last.pt")["model"], reference) == 0  # spawn trains as torchrun
+
+
+# ---- ranks started by hand (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each process's status the contract
+def hand_launched(tmp_path, args, hooks):
+    """Two ranks of ddp_launch_train.py `args`, rank 0 serving the rendezvous on a port picked free, once both wait
+    at PAUSE; started again on another port while one failed on "address in use"."""
+    for attempt in range(5):
+        port = free_port()
+        ranks = [Proc([sys.executable, "ddp_launch_train.py", *args], tmp_path / f"rank{r}.log",
+                      env=clean_env(**hooks.env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in (0, 1)]
+        while len(hooks.paused()) < 2 and all(r.p.poll() is None for r in ranks):
+            if time.monotonic() > ranks[0].deadline:
+                for r in ranks:
+                    r.kill(diagnose=True)
+                pytest.fail(f"timed out waiting for both ranks at step {PAUSE}\n{ranks[0].output()[-3000:]}")
+            time.sleep(0.01)
+        if len(hooks.paused()) == 2 or attempt == 4 or not any(address_in_use(r.output()) for r in ranks):
+            return ranks
+        for r in ranks:
+            r.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_signal_to_ranks_started_by_hand_saves_at_one_step_and_each_exits_with_its_status(sig, tmp_path, measured):
+    """SIGTERM to every rank (as a scheduler stopping its processes), SIGUSR1 to rank 1 alone."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    ranks = hand_launched(tmp_path, [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+    try:
+        for r in ranks:  # proc.until below fails at once on a rank that has ended: say why first
+            assert r.p.poll() is None, f"a rank ended before step {PAUSE}\n{r.output()[-3000:]}"
+        before = position(load(out / "last.pt"), 16)
+        went_on = signal_at_the_pause(ranks[0], hooks, [0, 1], sig, to=[0, 1] if sig == signal.SIGTERM else [1])
+        results = [finish(r, went_on, measured, f"hand-launched {sig.name}, rank {i}") for i, r in enumerate(ranks)]
+    finally:
+        for r in ranks:
+            r.kill()
+    assert before == 4
+    for p in results:
+        assert_exit(p, CODE[sig])  # each rank's own status
+    assert stopped(results[0].stdout, sig) == [PAUSE + 1], results[0].stdout[-3000:]
+    assert stopped(results[1].stdout, sig) == []  # printed once, by rank 0
+    assert position(load(out / "last.pt"), 16) == PAUSE + 1
+    assert hooks.steps() == {0: PAUSE + 1, 1: PAUSE + 1}
+    assert temporary(out) == []
+
+
+# ---- a save that a signal or a kill interrupts
+@pytest.mark.slow
+def test_sigterm_while_last_pt_is_half_written_finishes_it_then_saves_at_the_step_the_ranks_agreed_on(tmp_path,
+                                                                                                    measured):
+    """torchrun's workers get SIGTERM while rank 0 has written half of step 8's checkpoint: it finishes the file,
+    then every rank learns the signal one step later (9), and saves and stops at the step after (10)."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, stall_save=2)  # the second checkpoint, step 8's
+    proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
+                 [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+    try:
+        proc.until(lambda: hooks.ranks("saving"), "step 8's checkpoint half written")
+        saving = json.loads(hooks.ranks("saving")[0])
+        pids = workers(proc)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
+        proc.until(lambda: hooks.handled(saving["pid"], signal.SIGTERM), "SIGTERM taken by rank 0")
+        # the signal taken, the save goes on: its file still there, half written
+        assert os.path.exists(saving["path"]), "the save was given up on SIGTERM"
+        half = os.path.getsize(saving["path"])
+        assert position(load(out / "last.pt"), 16) == 4
+        hooks.go()
+        p = finish(proc, time.monotonic(), measured, "SIGTERM mid-save")
+    finally:
+        proc.kill()
+    assert half == saving["written"] < saving["size"] and os.path.dirname(saving["path"]) == str(out)
+    assert_exit(p, 143, nproc=2)
+    assert stopped(p.stdout, signal.SIGTERM) == [10], p.stdout[-3000:]
+    assert position(load(out / "last.pt"), 16) == 10  # whole, and saved after the signal
+    assert hooks.steps() == {0: 10, 1: 10}
+    assert temporary(out) == []
+
+
+@pytest.mark.slow
+def test_a_process_killed_while_it_writes_last_pt_leaves_the_previous_one_whole(tmp_path):
+    out, hooks = tmp_path / "run", Hooks(tmp_path, stall_save=2)  # one process: steps 4 and 8 save
+    args = ["ddp_launch_train.py", *TINY, "--epochs", 1, "--out-dir", out]
+    proc = start(tmp_path, [sys.executable, *args], hooks)
+    try:
+        proc.until(lambda: hooks.ranks("saving"), "step 8's checkpoint half written")
+        saving = json.loads(hooks.ranks("saving")[0])
+        before = (out / "last.pt").read_bytes()
+        proc.kill()  # SIGKILL, mid-save
+    finally:
+        proc.kill()
+    assert (out / "last.pt").read_bytes() == before and position(load(out / "last.pt"), 32) == 4
+    partial = [out / name for name in temporary(out)]
+    assert partial == [type(out)(saving["path"])] and partial[0].stat().st_size == saving["written"]
+    with pytest.raises(Exception):
+        load(partial[0])
+    log = run(*args, "--resume", "auto").stdout  # and the run goes on from the previous checkpoint
+    assert "resuming at step 4" in log
+    assert load(out / "last.pt")["epoch"] == 1
+
+
+SHARDED = [*TINY, "--epochs", 1, "--ckpt-format", "dcp", "--async-save"]  # 2 processes: 16 steps
+
+
+def stalled_in_the_background(tmp_path, hooks):
+    """fsdp_train.py --async-save under torchrun, until both ranks' parts of step 8's save are written and DCP waits
+    (the second save: step 4's is complete)."""
+    out = tmp_path / "run"
+    proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "fsdp_train.py") +
+                 [*SHARDED, "--out-dir", out], hooks)
+    try:
+        proc.until(lambda: len(hooks.ranks("stalled")) == 2, "both ranks' parts of step 8 written")
+        assert set(hooks.ranks("stalled").values()) == {str(out / "ckpt-8.tmp")}
+        assert sorted(os.listdir(out / "ckpt-8.tmp")) == ["__0_0.distcp", "__1_0.distcp"]  # no .metadata: incomplete
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, out
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_background_sharded_save_waits_for_it_then_saves_at_the_step_the_ranks_agreed_on(
+        tmp_path, measured):
+    hooks = Hooks(tmp_path, stall_dcp=2)
+    proc, out = stalled_in_the_background(tmp_path, hooks)
+    try:
+        pids = workers(proc)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
+        proc.until(lambda: not any(signal_pending(pid, signal.SIGTERM) for pid in pids.values()), "SIGTERM delivered")
+        assert (out / "ckpt-8.tmp").is_dir() and complete_sharded(out) == [4]  # the signal came mid-save
+        hooks.go()
+        p = finish(proc, time.monotonic(), measured, "SIGTERM during a background sharded save")
+    finally:
+        proc.kill()
+    assert_exit(p, 143, nproc=2)
+    (step,) = stopped(p.stdout, signal.SIGTERM) or [None]
+    # after step 8's save; at most 2 steps after step 12's, which waits for step 8's to end
+    assert step is not None and 8 < step <= 14, p.stdout[-3000:]
+    assert hooks.steps() == {0: step, 1: step}
+    assert complete_sharded(out)[-1] == step  # the newest complete checkpoint: the stop's, saved after the signal
+    assert sorted(os.listdir(out / f"ckpt-{step}")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert position(load(out / f"ckpt-{step}" / "meta.pt"), 16) == step
+    assert temporary(out) == []  # the background save finished too
+    log = run("fsdp_train.py", *SHARDED, "--out-dir", out, "--resume", "auto", launcher="torchrun", nproc=2).stdout
+    assert f"resuming at step {step}" in log
+    assert metrics(out)[-1]["step"] == 16
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_sharded_save_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL to every process while step 8's ckpt-8.tmp is being written: --resume auto skips it (and a folder
+    without meta.pt, as a kill between DCP's end and the rename would leave), resumes from the newest complete one
+    (step 4's), and the run in that --out-dir deletes the .tmp."""
+    hooks = Hooks(tmp_path, stall_dcp=2)
+    proc, out = stalled_in_the_background(tmp_path, hooks)
+    proc.kill()  # SIGKILL to torchrun and its workers, mid-save
+    assert sorted(os.listdir(out / "ckpt-8.tmp")) == ["__0_0.distcp", "__1_0.distcp"]  # still there after the kill
+    assert complete_sharded(out) == [4]
+    (out / "ckpt-99").mkdir()  # complete by DCP's account, never renamed: no meta.pt
+    (out / "ckpt-99" / ".metadata").write_bytes((out / "ckpt-4" / ".metadata").read_bytes())
+    # --save-every 5: no save of its own at step 8 would replace ckpt-8.tmp
+    log = run("fsdp_train.py", *SHARDED, "--save-every", 5, "--out-dir", out, "--resume", "auto", launcher="torchrun",
+              nproc=2).stdout
+    assert "resuming at step 4" in log
+    assert temporary(out) == []  # the cut-short save was cleared away
+    assert metrics(out)[-1]["step"] == 16
+
+
+# ---- the save budget. Goes with common.Watch.give_up: once it is gone, a save that outlives the launcher's grace
+# period is simply killed (test_a_process_killed_while_it_writes_last_pt_leaves_the_previous_one_whole)
+BUDGET = r"""
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+import common
+common.Watch.SAVE_BUDGET_S = float(os.environ["TEST_SAVE_BUDGET_S"])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_past_the_save_budget_leaves_the_previous_checkpoint(tmp_path, measured):
+    """SIGTERM at step 6; the save at the agreed step 7 never ends (it waits half-written for a `go` that never
+    comes): 2 s after the signal every worker leaves without it, says so once, and removes its temporary file."""
+    (tmp_path / "budget.py").write_text(BUDGET)
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE, stall_save=2)  # step 4's save, then the stop's
+    proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, tmp_path / "budget.py",
+                                    "ddp_launch_train.py") + [*TINY, "--epochs", 1, "--out-dir", out], hooks,
+                 TEST_SAVE_BUDGET_S="2")
+    try:
+        paused(proc, hooks, [0, 1])
+        t = time.monotonic()
+        signal_at_the_pause(proc, hooks, [0, 1], signal.SIGTERM, release=["pause"])  # not the save
+        proc.wait(expect=None)
+        seconds = measured("seconds from SIGTERM to the exit, save budget 2 s", time.monotonic() - t, SECONDS)
+    finally:
+        proc.kill()
+    p = proc.result()
+    assert p.stdout.count("not saved and stopped within 2 s: leaving without a new checkpoint") == 1, p.stdout[-3000:]
+    assert_exit(p, 143)
+    assert 2 <= seconds < SECONDS
+    assert position(load(out / "last.pt"), 16) == 4  # the one written before the signal, intact
+    assert temporary(out) == []  # its half-written successor: gone
