@@ -174,6 +174,13 @@ def run_once(script, *args, nproc, launcher, env, timeout, launcher_args):
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+def env_ranks(nproc, port):
+    """The variables of `nproc` ranks launched by hand (env://: a launch script, a Kubernetes pod, another launcher),
+    rank 0 serving the rendezvous on 127.0.0.1:`port`: one dict per rank, for clean_env."""
+    return [dict(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(nproc)]
+
+
 def worker_exit_codes(output):
     """{rank: exit code} of the failed workers in torchrun's failure report ("rank : 1 (local_rank: 1)" then
     "exitcode : 2 (pid: ...)"): torchrun itself exits 1 for any failure, whatever its workers' codes."""

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from conftest import (ROOT, TIMEOUT, address_in_use, assert_exit, checkpoint, clean_env, free_port, max_diff, metrics,
-                      run)
+from conftest import (ROOT, TIMEOUT, address_in_use, assert_exit, checkpoint, clean_env, env_ranks, free_port, max_diff,
+                      metrics, run)
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]  # 2 processes: 4 steps
@@ -69,10 +69,8 @@ class Ranks:
     def __init__(self, folder, args, env, nproc):
         folder.mkdir(parents=True)
         self.folder, self.procs = folder, []
-        port = free_port()
-        for rank in range(nproc):
-            rank_env = clean_env(**env, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for rank, variables in enumerate(env_ranks(nproc, free_port())):
+            rank_env = clean_env(**env, **variables)
             with open(folder / f"{rank}.out", "wb") as out, open(folder / f"{rank}.err", "wb") as err:
                 self.procs.append(subprocess.Popen([sys.executable, "ddp_launch_train.py", *map(str, args)], cwd=ROOT,
                                                    env=rank_env, stdout=out, stderr=err, start_new_session=True))

@@ -22,7 +22,8 @@ import time
 import pytest
 import torch
 
-from conftest import LAUNCHER_PICKS_PORT, address_in_use, assert_exit, children, free_port, max_diff, metrics, run
+from conftest import (LAUNCHER_PICKS_PORT, address_in_use, assert_exit, children, env_ranks, free_port, max_diff, metrics,
+                      run)
 from hooks import Hooks, Proc, clean_env, running, signal_pending, torchrun, worker_env
 
 # 384 samples, batches of 12: 32 steps per epoch in one process, 16 in two; a checkpoint every 4 steps
@@ -225,10 +226,8 @@ def hand_launched(tmp_path, args, hooks):
     """Two ranks of ddp_launch_train.py `args`, rank 0 serving the rendezvous on a port picked free, once both wait
     at PAUSE; started again on another port while one failed on "address in use"."""
     for attempt in range(5):
-        port = free_port()
         ranks = [Proc([sys.executable, "ddp_launch_train.py", *args], tmp_path / f"rank{r}.log",
-                      env=clean_env(**hooks.env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in (0, 1)]
+                      env=clean_env(**hooks.env, **variables)) for r, variables in enumerate(env_ranks(2, free_port()))]
         while len(hooks.paused()) < 2 and all(r.p.poll() is None for r in ranks):
             if time.monotonic() > ranks[0].deadline:
                 for r in ranks:
