@@ -1,5 +1,5 @@
 """What a new user meets: flags checked in one pure validate(), subsets that keep every class, resumes that refuse
-what they cannot continue, files named in one line, the wrong launcher refused, signals that exit with their code,
+what they cannot continue, files named in one line, the wrong launcher refused (signals: test_signals.py),
 an output folder no run takes from another, and logs that read well in a file."""
 import argparse
 import os
