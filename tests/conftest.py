@@ -222,6 +222,15 @@ def started_by(token):
     return found
 
 
+def alive(pid):
+    """Whether process `pid` is running: there, and not a zombie (one that has exited and waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def children(pid):
     """Pids of the live (not zombie) children of `pid`, from /proc."""
     kids = []

@@ -158,13 +158,6 @@ def worker_env(pid):
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def running(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"  # not a zombie
-    except OSError:
-        return False
-
-
 def signal_pending(pid, sig):
     """Whether `sig` waits for delivery to `pid` (as a signal sent to a stopped process does), from /proc."""
     try:

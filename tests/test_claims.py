@@ -11,17 +11,8 @@ import time
 import pytest
 
 import conftest
-from conftest import ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, descendants, kill_tree
+from conftest import ROOT, TIMEOUT, alive, assert_exit, checkpoint, clean_env, descendants, kill_tree
 from test_precision import see_env, seen
-
-
-def alive(pid):
-    """Running, not a zombie (a zombie has exited; its parent has only not read its status yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start(cmd, env, logs, **kw):

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (LAUNCHER_PICKS_PORT, address_in_use, assert_exit, children, descendants, free_port,
+from conftest import (LAUNCHER_PICKS_PORT, address_in_use, alive, assert_exit, children, descendants, free_port,
                       worker_exit_codes)
-from hooks import REPO, TIMEOUT, Hooks, Proc, clean_env, running, signal_pending, torchrun, worker_env
+from hooks import REPO, TIMEOUT, Hooks, Proc, clean_env, signal_pending, torchrun, worker_env
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 # 384 samples, 2 processes x 12: 16 steps per epoch, a checkpoint every 4 steps
@@ -395,7 +395,7 @@ def test_a_rank_that_stops_answering_is_named_and_every_process_ends(tmp_path, m
     # and a loaded machine
     measured("seconds from a rank's hang to torchrun's exit, step timeout 3 s", seconds, 3 + 30 + 30)
     assert seconds < 3 + 30 + 30, seconds
-    alive = [pid for pid in tree if running(pid)]
-    for pid in alive:
+    left = [pid for pid in tree if alive(pid)]
+    for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, f"processes left: {alive}"
+    assert not left, f"processes left: {left}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, assert_exit, checkpoint, clean_env, descendants, kill_tree, max_diff, metrics, run
+from conftest import ROOT, alive, assert_exit, checkpoint, clean_env, descendants, kill_tree, max_diff, metrics, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -150,15 +150,6 @@ def test_nan_stops_every_rank(tmp_path, launcher):
     assert ckpt["step_in_epoch"] < first_bad
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert not os.path.exists(tmp_path / "metrics.jsonl") or metrics(str(tmp_path)) == []
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def launch_long(script_cmd, out):

@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-from conftest import (LAUNCHER_PICKS_PORT, address_in_use, assert_exit, children, env_ranks, free_port, max_diff, metrics,
-                      run)
-from hooks import Hooks, Proc, clean_env, running, signal_pending, torchrun, worker_env
+from conftest import (LAUNCHER_PICKS_PORT, address_in_use, alive, assert_exit, children, env_ranks, free_port, max_diff,
+                      metrics, run)
+from hooks import Hooks, Proc, clean_env, signal_pending, torchrun, worker_env
 
 # 384 samples, batches of 12: 32 steps per epoch in one process, 16 in two; a checkpoint every 4 steps
 TINY = ["--train-size", "384", "--val-size", "101", "--batch-size", "12", "--save-every", "4"]
@@ -157,7 +157,7 @@ def test_sigterm_to_the_torchrun_workers_saves_at_the_step_they_agreed_on_and_th
     assert position(load(out / "last.pt"), 16) == PAUSE + 1  # saved there, after the signal
     assert hooks.steps() == {0: PAUSE + 1, 1: PAUSE + 1}  # where every rank stopped
     assert temporary(out) == []
-    assert not [pid for pid in pids.values() if running(pid)], "worker processes left running"
+    assert not [pid for pid in pids.values() if alive(pid)], "worker processes left running"
     log = run("ddp_launch_train.py", *TINY, "--epochs", 1, "--resume", "auto", "--out-dir", out,
               launcher="torchrun", nproc=2).stdout
     assert f"resuming at step {PAUSE + 1}" in log
@@ -214,7 +214,7 @@ def test_a_signal_to_the_spawn_parent_reaches_every_child_which_save_at_one_step
     assert position(load(out / "last.pt"), 16) == PAUSE + 1
     assert hooks.steps() == {0: PAUSE + 1, 1: PAUSE + 1}
     assert temporary(out) == []
-    assert not [pid for pid in pids.values() if running(pid)], "child processes left running"
+    assert not [pid for pid in pids.values() if alive(pid)], "child processes left running"
     if sig == signal.SIGUSR1:  # a time limit's notice: the requeued run goes on from there as if never stopped
         log = run("ddp_spawn_train.py", *args, "--resume", "auto").stdout
         assert f"resuming at step {PAUSE + 1}" in log
