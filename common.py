@@ -1,7 +1,6 @@
-"""What the training scripts share that does not depend on how their processes are launched: the flags, the default
-data and model, checkpoint files, the step counters and metrics, and how a run ends. Nothing runs at import.
-Extras (other datasets, fine-tuning, sharded checkpoints, torchrun restarts) are modules in train_extras/, imported
-only when a flag asks for them: copy that folder too if you use them."""
+"""What the scripts share that does not depend on how their processes are launched: flags, the default data and
+model, checkpoint files, step counters and metrics, how a run ends. Extras (other datasets, fine-tuning, sharded
+checkpoints, torchrun restarts) are in train_extras/, imported only when a flag asks for them."""
 import argparse
 import contextlib
 import datetime
@@ -43,40 +42,33 @@ class Stopped(Exception):
 
 
 # ---- the command line: the same flags, with the same meanings, in every script
-def number(kind, low=-math.inf, high=math.inf, above=False):
+def number(kind, low, high=math.inf, above=False):
     """An argparse type: a finite int or float, at least `low` (above it, if `above`) and below `high`."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        value = kind(text)  # a ValueError: argparse says "invalid int value"
         if not (math.isfinite(value) and (value > low if above else value >= low) and value < high):
-            bound = f"above {low}" if above else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {bound}" + (f" and below {high}" if high < math.inf else "")
-                                             + f", got {text}")
+            raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {low}"
+                                             + (f" and below {high}" if high < math.inf else "") + f", got {text}")
         return value
+    parse.__name__ = kind.__name__
     return parse
 
 
 def shape(text):
     """'CxHxW' (e.g. 3x224x224) as (C, H, W): an argparse type."""
-    try:
-        c, h, w = (int(v) for v in text.lower().split("x"))
-        assert c >= 1 and h >= 7 and w >= 7
-    except (ValueError, AssertionError):
-        raise argparse.ArgumentTypeError(f"must be CxHxW with C >= 1 and H, W >= 7, got {text!r}") from None
+    c, h, w = map(int, text.lower().split("x"))  # a ValueError: argparse says "invalid shape value"
+    if min(c, h - 6, w - 6) < 1:
+        raise argparse.ArgumentTypeError(f"must be CxHxW with C >= 1 and H, W >= 7, got {text!r}")
     return c, h, w
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """Bad flags: one line, once (not once per process of a launcher), exit 2."""
+    def error(self, message):  # bad flags: one line, once (not once per process of a launcher), exit 2
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
             print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 
-    def parse_args(self, *a, **kw):
-        """The flags, and the checks that involve more than one of them or this machine."""
+    def parse_args(self, *a, **kw):  # and the checks of more than one flag, or of this machine
         args = super().parse_args(*a, **kw)
         if args.freeze_backbone and not (args.pretrained or args.weights):
             self.error("--freeze-backbone needs --pretrained or --weights: a random backbone is not worth freezing")
@@ -90,35 +82,34 @@ class Parser(argparse.ArgumentParser):
 
 
 def get_parser(doc):
-    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=doc, formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                                    argparse.ArgumentDefaultsHelpFormatter), {}))
     a, positive = p.add_argument, number(int, 1)
     a("--dataset", default="synthetic", choices=["synthetic", "mnist", "cifar10", "imagefolder"],
-      help="synthetic (offline, MNIST-shaped; default) or, with train_extras/datasets.py, mnist, cifar10, imagefolder")
+      help="synthetic (offline, MNIST-shaped) or, with train_extras/datasets.py, mnist, cifar10, imagefolder")
     a("--data-dir", default="./data", help="mnist/cifar10: downloaded here; imagefolder: the folder of train/, val/")
     a("--train-size", type=positive, help="training samples (synthetic: default 10000; real data: a random subset)")
     a("--val-size", type=positive, help="validation samples (synthetic: default 2000; real data: a random subset)")
     a("--image-size", type=number(int, 7), help="imagefolder: resize to this square (default 224)")
-    a("--synthetic-shape", type=shape, default=(1, 28, 28), help="synthetic: CxHxW, e.g. 3x224x224 (default 1x28x28)")
-    a("--model", default="cnn", help="cnn (a small 2-conv net, default) or a torchvision model, e.g. resnet18")
+    a("--synthetic-shape", type=shape, default="1x28x28", help="synthetic: CxHxW, e.g. 3x224x224")
+    a("--model", default="cnn", help="cnn (a small 2-conv net) or a torchvision model, e.g. resnet18")
     tune = p.add_mutually_exclusive_group()
     tune.add_argument("--pretrained", action="store_true", help="start from the torchvision model's ImageNet weights "
                       "with a new head (train_extras/finetune.py)")
     tune.add_argument("--weights", help="start from this state_dict or checkpoint: what matches by name and shape "
                       "(train_extras/finetune.py)")
     a("--freeze-backbone", action="store_true", help="train only the classifier head (train_extras/finetune.py)")
-    a("--epochs", type=positive, default=2, help="passes over the training set (default 2)")
-    a("--batch-size", type=positive, default=64, help="per process (per GPU); the global batch is this times the "
-      "processes (default 64)")
-    a("--lr", type=number(float, 0), default=0.01, help="peak learning rate for the global batch, NOT rescaled with "
-      "the processes (default 0.01)")
-    a("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    a("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum (default 0.9)")
-    a("--weight-decay", type=number(float, 0), default=5e-4, help="(default 5e-4)")
+    a("--epochs", type=positive, default=2, help="passes over the training set")
+    a("--batch-size", type=positive, default=64, help="per process; the global batch is this times the processes")
+    a("--lr", type=number(float, 0), default=0.01, help="peak LR for the global batch, NOT rescaled with processes")
+    a("--optimizer", default="sgd", choices=["sgd", "adamw"], help="sgd (with --momentum) or adamw")
+    a("--momentum", type=number(float, 0, 1), default=0.9, help="SGD momentum")
+    a("--weight-decay", type=number(float, 0), default=5e-4, help="weight decay")
     a("--warmup-epochs", type=number(float, 0), default=0.0, help="linear warmup, then cosine decay to 0")
-    a("--seed", type=number(int, 0, 2**32), default=0, help="model init, synthetic data, data order (default 0)")
-    a("--workers", type=number(int, 0), default=2, help="DataLoader worker processes for files (default 2)")
+    a("--seed", type=number(int, 0, 2**32), default=0, help="model init, synthetic data, data order")
+    a("--workers", type=number(int, 0), default=2, help="DataLoader worker processes for files")
     a("--max-steps", type=positive, help="stop after this many optimizer steps in all")
-    a("--grad-accum", type=positive, default=1, help="micro-batches per optimizer step (default 1)")
+    a("--grad-accum", type=positive, default=1, help="micro-batches per optimizer step")
     a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
     fresh = p.add_mutually_exclusive_group()
     fresh.add_argument("--resume", help="a checkpoint to continue from, or 'auto': the one in --out-dir, if any")
@@ -128,8 +119,8 @@ def get_parser(doc):
     a("--async-save", action="store_true", help="dcp checkpoints written in the background (fsdp_train.py)")
     a("--clip-grad", type=number(float, 0, above=True), metavar="MAX_NORM", help="clip the gradients' global norm")
     a("--step-timeout", type=number(float, 0, above=True), default=300, help="after the first step, seconds a "
-      "collective may wait before every rank stops and the ranks that did not arrive are named (default 300)")
-    a("--log-every", type=positive, default=20, help="a progress line and NaN/inf check every N steps (default 20)")
+      "collective may wait before every rank stops and the ranks that did not arrive are named")
+    a("--log-every", type=positive, default=20, help="a progress line and NaN/inf check every N steps (or sooner)")
     a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir")
     a("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     a("--channels-last", action="store_true", help="channels_last memory format for images (faster convs on GPU)")
@@ -157,8 +148,8 @@ def one_of_several():
 
 
 def set_threads_and_math(local_world_size, deterministic):
-    """Share this machine's cores among its processes (torchrun does so only with several processes, srun never);
-    on GPUs, TF32 and autotuned convolutions unless --deterministic."""
+    """This machine's cores shared among its processes (torchrun does so with several, srun never); TF32 and
+    autotuned convolutions on GPUs, unless --deterministic."""
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux only
         torch.set_num_threads(max(1, cores // local_world_size))
@@ -166,17 +157,25 @@ def set_threads_and_math(local_world_size, deterministic):
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic = not deterministic, deterministic
 
 
-def set_timeout(seconds, group=None):
-    """From now on, collectives of `group` may wait this long. Shim: torch 2.11 has it only privately; remove when
-    the oldest supported torch has dist.set_timeout."""
-    (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(
-        datetime.timedelta(seconds=seconds), group)
+def on_rank0(fn, rank):
+    """fn() on rank 0 while the others wait; its UsageError raised on every rank, so that none waits forever."""
+    result, error = None, [None]
+    if rank == 0:
+        try:
+            result = fn()
+        except UsageError as e:
+            error = [str(e)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return result
 
 
 # ---- the default data and model: replace them with your own Dataset and nn.Module
 def synthetic(n, seed, shape):
-    """MNIST-shaped by default and learnable, not trivially: 10 smooth class templates (the same for every `seed`
-    + k*10**6) under random shifts, contrast and noise."""
+    """Learnable, not trivially: 10 smooth class templates (the same for seed and seed + 10**6) under random
+    shifts, contrast and noise."""
     c, h, w = shape
     templates = F.interpolate(torch.randn(10, c, 7, 7, generator=torch.Generator().manual_seed(seed % 10**6)),
                               size=(h + 8, w + 8), mode="bilinear", align_corners=False)
@@ -198,8 +197,8 @@ def load_data(args, download=False):
 
 
 def channels_and_classes(ds):
-    """(channels of x, number of classes) of a dataset of (x, label): the classes from its `classes` attribute (a
-    count or the names) if it has one, else from one pass over its labels."""
+    """(size of x's first dimension, number of classes): the classes from the dataset's `classes` attribute (a count
+    or the names) if it has one, else from one pass over its labels."""
     classes = getattr(ds, "classes", None)
     if classes is None:
         classes = 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else max(int(y) for _, y in ds))
@@ -210,9 +209,9 @@ def channels_and_classes(ds):
 
 
 def make_loader(ds, batches, args, device):
-    """A DataLoader over `batches` (lists of indices). In-memory tensors: one index per batch, in this process, on
-    the GPU if they fit. Other datasets: read by --workers processes into pinned memory. Its own generator: the
-    workers' seed is not drawn from the one dropout uses, so a resumed run draws exactly what an unbroken one did."""
+    """A DataLoader over `batches` (lists of indices). In-memory tensors: one index a batch, in this process, on
+    the GPU if they fit. Other datasets: --workers processes, pinned memory. Its own generator: the workers' seed is
+    not drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
     if isinstance(ds, TensorDataset):
         if device.type == "cuda" and sum(t.nbytes for t in ds.tensors) < 2**32:
             ds.tensors = tuple(t.to(device) for t in ds.tensors)  # copied once, not every step
@@ -222,7 +221,7 @@ def make_loader(ds, batches, args, device):
 
 
 def to_device(ds, x, device, args):
-    """A batch's inputs on the device. Images only: uint8 ones (4x fewer bytes to copy) made float there by their
+    """A batch's inputs on the device. Images only: uint8 (4x fewer bytes to copy) made float there by their
     dataset's `normalize`; --channels-last."""
     x = x.to(device, non_blocking=True)
     if x.dtype == torch.uint8 and hasattr(ds, "normalize"):
@@ -249,21 +248,20 @@ def make_model(name, channels, classes):
     if name == "cnn":
         return Net(channels, classes)
     import torchvision
-    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
     if name not in torchvision.models.list_models(module=torchvision.models):
         raise UsageError(f"unknown --model {name!r}: use cnn or a torchvision classification model, e.g. resnet18")
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
     model = torchvision.models.get_model(name, num_classes=classes, **extra)
-    first = next((p, n, m) for p in model.modules() for n, m in p.named_children() if isinstance(m, nn.Conv2d))
-    if channels != first[2].in_channels:  # a first conv for this data's channels
-        c = first[2]
-        setattr(first[0], first[1], nn.Conv2d(channels, c.out_channels, c.kernel_size, c.stride, c.padding,
-                                              bias=c.bias is not None))
+    parent, key, c = next((p, k, m) for p in model.modules() for k, m in p.named_children()
+                           if isinstance(m, nn.Conv2d))  # the first conv, made for this data's channels
+    if channels != c.in_channels:
+        setattr(parent, key, nn.Conv2d(channels, c.out_channels, c.kernel_size, c.stride, c.padding,
+                                       bias=c.bias is not None))
     return model
 
 
 def make_optimizer(args, model, steps_per_epoch):
-    """The optimizer over the trainable parameters, and its schedule, stepped per optimizer step: linear warmup over
-    --warmup-epochs, then cosine decay to 0."""
+    """The optimizer over the trainable parameters, and its schedule (per step): linear warmup, then cosine to 0."""
     params = [p for p in model.parameters() if p.requires_grad]
     if args.optimizer == "adamw":
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
@@ -271,12 +269,9 @@ def make_optimizer(args, model, steps_per_epoch):
         optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                                     foreach=True)
     warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
-
-    def multiplier(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))  # noqa: E731
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup
+                                                        else cosine(s))
 
 
 # ---- checkpoint files: written atomically, read on the CPU, checked against this run before use
@@ -286,7 +281,6 @@ def save_atomic(obj, path):
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
-            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
@@ -296,13 +290,11 @@ def save_atomic(obj, path):
 
 def read_checkpoint(path):
     """(the file's contents, its model state_dict): this collection's checkpoint, another tool's, or a state_dict."""
-    if not os.path.isfile(path):
-        raise UsageError(f"no such checkpoint: {path}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)  # CPU: no memory on GPU 0; weights_only: no code
-    except Exception as e:  # empty, truncated, not a torch file, or Python objects that weights_only refuses
-        raise UsageError(f"{path} is not a readable checkpoint of tensors ({type(e).__name__}): a truncated file, or "
-                         "a whole pickled model (save model.state_dict() instead)?") from None
+    except Exception as e:  # missing, empty, truncated, not a torch file, or Python objects that weights_only refuses
+        raise UsageError(f"{path} is not a readable checkpoint of tensors ({type(e).__name__}): no such file, a "
+                         "truncated one, or a whole pickled model (save model.state_dict() instead)?") from None
     state = ckpt.get("model", ckpt.get("state_dict", ckpt)) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
         raise UsageError(f"{path} holds no state_dict (no 'model' or 'state_dict' entry of tensors)")
@@ -310,38 +302,33 @@ def read_checkpoint(path):
 
 
 def find_checkpoint(args, out_dir, model, global_batch):
-    """The checkpoint --resume names, read and checked against this run, or None for a fresh start."""
-    path = os.path.join(out_dir, "last.pt") if args.resume == "auto" else args.resume
-    if not path or (args.resume == "auto" and not os.path.exists(path)):
+    """Rank 0, before anything is written: the checkpoint --resume names, checked against this run, or None. A fresh
+    run never replaces an earlier last.pt unasked."""
+    path = os.path.join(out_dir, "last.pt")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file of that name, no permission
+        raise UsageError(f"--out-dir {out_dir}: {e.strerror}: give a folder this user can write to") from None
+    if os.path.exists(path) and not (args.resume or args.overwrite):
+        raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
+                         "replaces it, or give another --out-dir")
+    if not args.resume or (args.resume == "auto" and not os.path.exists(path)):
         return None
+    path = path if args.resume == "auto" else args.resume
     if os.path.isdir(path):
-        raise UsageError(f"{path} is a sharded checkpoint: convert it first (docs/fsdp.md): python -m "
+        raise UsageError(f"{path} is a sharded checkpoint of fsdp_train.py: convert it to one file first: python -m "
                          f"train_extras.sharded {path} last.pt")
     ckpt, state = read_checkpoint(path)
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if {k: tuple(v.shape) for k, v in state.items()} != own or "optimizer" not in ckpt:
-        raise UsageError(f"{path} is not a training state of this model (another --model, classes or channels, or "
-                         f"weights only: use --weights {path})")
-    if ckpt.get("args", {}).get("freeze_backbone", False) != args.freeze_backbone:  # its optimizer holds other parameters
-        raise UsageError(f"{path} was trained {'without' if args.freeze_backbone else 'with'} --freeze-backbone")
     a = ckpt.get("args", {})
-    saved = ckpt.get("global_batch") or a["batch_size"] * a.get("grad_accum", 1) * ckpt["world_size"]  # format 1
-    if saved != global_batch:
+    if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in model.state_dict().items()} or \
+            "optimizer" not in ckpt or a.get("freeze_backbone", False) != args.freeze_backbone:
+        raise UsageError(f"{path} is not a training state of this model and flags (another --model, classes or "
+                         "channels, --freeze-backbone; or weights only: give it to --weights)")
+    if (saved := ckpt.get("global_batch") or a["batch_size"] * a.get("grad_accum", 1) * ckpt["world_size"]) \
+            != global_batch:
         raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {global_batch}: keep "
                          f"--batch-size x processes x --grad-accum = {saved}")
     return ckpt
-
-
-def check_out_dir(out_dir, args):
-    """Before anything is written: the folder is writable, and a fresh run replaces no earlier checkpoint unasked."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        assert os.access(out_dir, os.W_OK)
-    except (OSError, AssertionError):
-        raise UsageError(f"--out-dir {out_dir} is not a folder this user can write to") from None
-    if os.path.exists(os.path.join(out_dir, "last.pt")) and not (args.resume or args.overwrite):
-        raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
-                         "replaces it, or give another --out-dir")
 
 
 def rng_state(device):
@@ -354,24 +341,20 @@ def restore_rng(saved, rank, world_size, seed, device):
     states = saved.get("rng") or []
     if len(states) == world_size:
         torch.set_rng_state(states[rank]["cpu"])
-        if device.type == "cuda" and states[rank]["cuda"]:
-            torch.cuda.set_rng_state(states[rank]["cuda"][0], device)
-        return
-    torch.manual_seed((seed * 1_000_000_007 + (saved["epoch"] * 1_000_003 + saved["step_in_epoch"]) * 1_009 + rank)
-                      % 2**63)
-    if rank == 0:
-        print(f"random generators seeded from (--seed, step, rank): the checkpoint holds {len(states)} processes' "
-              f"states, this run has {world_size}", flush=True)
+        for state in states[rank]["cuda"] if device.type == "cuda" else []:
+            torch.cuda.set_rng_state(state, device)
+    else:
+        torch.manual_seed((seed * 1_000_000_007 + (saved["epoch"] * 1_000_003 + saved["step_in_epoch"]) * 1_009
+                           + rank) % 2**63)
 
 
-# ---- where training stands, what every rank must agree on, and rank 0's output
-NEVER = 2.0**52  # "no NaN/inf step yet"
+# ---- where training stands, what every rank agrees on at its checks, and rank 0's output
 received = 0  # the stop signal this process got: a signal handler's only way out is a global
 
 
 def note_signal(signum, _):
-    """SIGUSR1 (a time limit near) or SIGTERM (preemption): noted, then saved and stopped on at a step every rank
-    agrees on (Progress.check). A second SIGTERM ends the process at once."""
+    """SIGUSR1 (a time limit near) or SIGTERM (preemption): noted; every rank saves and stops at the step of the next
+    check. A second SIGTERM ends the process at once."""
     global received
     if signum == signal.SIGTERM:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -379,8 +362,8 @@ def note_signal(signum, _):
 
 
 class Progress:
-    """Where training stands, as a checkpoint keeps it, and the epoch's sums, kept on the device (no host sync)."""
-    CHECK_S = 2.0  # the agreement's cadence in seconds: a stop signal is acted on within about this, or one step
+    """Where training stands, as a checkpoint keeps it, and the epoch's sums, on the device (no host sync a step)."""
+    CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
     def __init__(self, steps_per_epoch, global_batch, device, saved=None):
         saved = saved or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
@@ -388,11 +371,10 @@ class Progress:
         self.step_in_epoch = saved.get("samples_in_epoch", saved["step_in_epoch"] * global_batch) // global_batch
         self.steps_per_epoch, self.global_batch, self.device = steps_per_epoch, global_batch, device
         self.step = self.epoch * steps_per_epoch + self.step_in_epoch
-        self.first_bad = torch.full((), NEVER, dtype=torch.float64, device=device)
-        self.next_check, self.checked, self.timeout_set = self.step + 1, (self.step, time.monotonic()), False
+        self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=device)
+        self.next_check, self.checked = self.step + 1, None
 
-    def start_epoch(self, epoch):
-        """A resumed epoch keeps the sums of its saved part; another starts from 0."""
+    def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
         if epoch != self.epoch:
             self.epoch, self.step_in_epoch = epoch, 0
         sums = self.saved_sums if self.step_in_epoch else (0.0, 0.0)
@@ -400,46 +382,48 @@ class Progress:
         self.t0, self.t0_step, self.train_time = None, self.step, None
 
     def step_done(self, loss, norm=None):
-        self.first_bad = torch.where(torch.isfinite(loss) | (self.first_bad < NEVER), self.first_bad, self.step + 1)
+        bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
+        self.first_bad = torch.where(bad, self.step + 1, self.first_bad)
         self.loss_sum += loss
-        if norm is not None:
-            self.norm_sum += norm
+        self.norm_sum += 0.0 if norm is None else torch.nan_to_num(norm, nan=0.0, posinf=0.0)  # fp16 skips: 0
         self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
         if self.t0 is None:  # the steady state: timed from the end of the epoch's first step
-            self.t0, self.t0_step = synced_time(self.device), self.step
+            self.t0 = self.clock()
 
-    @property
-    def epoch_done(self):
-        return self.step_in_epoch == self.steps_per_epoch
+    epoch_done = property(lambda self: self.step_in_epoch == self.steps_per_epoch)
 
-    def check(self, args, every_rank=None):
-        """At its cadence (or when `every_rank`, a step all ranks share, asks), one all-reduce: every rank learns the
-        first NaN/inf step of any rank (and all stop: NonFinite), and a stop signal any rank got (returned; None
-        between checks). Its cadence: every --log-every steps, or more often as steps take longer, about every
-        CHECK_S seconds, set from the slowest rank's time, so that all agree on it. After the first check, which
-        every rank reaches only once start-up is over, collectives may wait --step-timeout seconds."""
+    def check(self, args, every_rank=False):
+        """At its cadence, or at a step every rank asks for (`every_rank`), one all-reduce: a NaN/inf loss on any
+        rank stops all (NonFinite); a stop signal any rank got is returned (None between checks). The cadence is
+        every --log-every steps, or about every CHECK_S seconds if that is sooner, from the slowest rank's time, so
+        that all agree. After the first check, when start-up is over everywhere, collectives get --step-timeout."""
         if not (every_rank or self.step >= self.next_check):
             return None
-        seconds = torch.tensor([received, time.monotonic() - self.checked[1]], dtype=torch.float64)
-        flags = torch.cat([-self.first_bad[None], seconds.to(self.device)])
+        seconds = torch.tensor([received, time.monotonic() - (self.checked or (0, time.monotonic()))[1]])
+        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        first_bad, signum, seconds = -flags[0].item(), int(flags[1].item()), flags[2].item()
-        if first_bad < NEVER:
-            raise NonFinite(f"loss is NaN/inf at step {int(first_bad)}: stopped, the last checkpoint is older")
-        per_step = seconds / max(1, self.step - self.checked[0])
-        every = max(1, min(args.log_every - self.step % args.log_every, int(self.CHECK_S / max(per_step, 1e-9))))
-        if dist.is_initialized() and not self.timeout_set:  # start-up is over on every rank
-            set_timeout(args.step_timeout)
-        self.next_check, self.checked, self.timeout_set = self.step + every, (self.step, time.monotonic()), True
-        return signum
+            if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)
+                getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
+                    datetime.timedelta(seconds=args.step_timeout))
+        if -flags[0].item() < self.NEVER:
+            raise NonFinite(f"loss is NaN/inf at step {int(-flags[0].item())}: stopped, the last checkpoint is older")
+        per_step = flags[2].item() / max(1, self.step - (self.checked or (0,))[0])
+        every = min(args.log_every - self.step % args.log_every, max(1, int(self.CHECK_S / max(per_step, 1e-9))))
+        self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
+        return int(flags[1].item())
+
+    def clock(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the GPU's queued work is part of the time
+        return time.perf_counter()
 
     def end_epoch(self):
-        self.train_time = synced_time(self.device) - self.t0 if self.t0 else 0.0
+        self.train_time = self.clock() - self.t0 if self.t0 else 0.0
 
     def samples_per_s(self):
-        elapsed = self.train_time if self.train_time is not None else time.time() - (self.t0 or time.time())
-        return (self.step - self.t0_step) * self.global_batch / max(elapsed, 1e-9)
+        elapsed = self.train_time if self.train_time is not None else time.perf_counter() - (self.t0 or 0)
+        return (self.step - self.t0_step - 1) * self.global_batch / max(elapsed, 1e-9) if self.t0 else 0.0
 
     def state(self, loss_sum, norm_sum):
         """What a checkpoint keeps; the sums so far averaged over the ranks. The position in the epoch is in samples."""
@@ -449,12 +433,6 @@ class Progress:
                 "global_batch": self.global_batch}
 
 
-def synced_time(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the GPU's queued work is part of the time
-    return time.time()
-
-
 def progress_bar(progress, master):
     """Rank 0's bar on a terminal; none in a log file (tqdm's disable=None), where log_line prints plain lines."""
     return tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
@@ -462,9 +440,8 @@ def progress_bar(progress, master):
 
 
 def log_line(bar, progress, master, **values):
-    """The progress bar's numbers; in a log file, rank 0 prints them as one plain line."""
-    values = {"loss": f"{progress.last_loss.item():.4f}", **values,
-              "samples_per_s": f"{progress.samples_per_s():.0f}"}
+    """The numbers on the progress bar; in a log file, rank 0 prints them as one plain line."""
+    values = {"loss": f"{progress.last_loss.item():.4f}", **values, "samples_per_s": f"{progress.samples_per_s():.0f}"}
     if master and bar.disable and not progress.epoch_done:
         print(f"epoch {progress.epoch + 1}: step {progress.step_in_epoch} of {progress.steps_per_epoch}  "
               + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
@@ -472,23 +449,20 @@ def log_line(bar, progress, master, **values):
 
 
 def start_output(out_dir, progress, tensorboard):
-    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers; returns a TensorBoard writer or None."""
+    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers; a TensorBoard writer or None."""
     path, rows = os.path.join(out_dir, "metrics.jsonl"), []
     if os.path.exists(path):
         rows = [r for r in map(json.loads, open(path).read().splitlines()) if r["epoch"] <= progress.epoch]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    if tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(out_dir)
+    return importlib.import_module("torch.utils.tensorboard").SummaryWriter(out_dir) if tensorboard else None
 
 
 def log_epoch(out_dir, writer, progress, row):
     """Rank 0: the epoch's line in metrics.jsonl (its number fractional if --max-steps ended it), and on screen."""
-    done = progress.step_in_epoch / progress.steps_per_epoch
-    row = {"epoch": progress.epoch + done, "step": progress.step, **row, "samples_per_s": progress.samples_per_s(),
-           "epoch_time_s": progress.train_time, "peak_mem_mb": torch.cuda.max_memory_allocated(progress.device) / 2**20
-           if progress.device.type == "cuda" else None}
+    row = {"epoch": progress.epoch + progress.step_in_epoch / progress.steps_per_epoch, "step": progress.step, **row,
+           "samples_per_s": progress.samples_per_s(), "epoch_time_s": progress.train_time, "peak_mem_mb":
+           torch.cuda.max_memory_allocated(progress.device) / 2**20 if progress.device.type == "cuda" else None}
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s") if writer else ():
@@ -500,9 +474,8 @@ def log_epoch(out_dir, writer, progress, row):
 # ---- how a run ends: a rank that stops answering named; every error one line and its exit status
 @contextlib.contextmanager
 def hangs_named(store, rank, world_size):
-    """Around the training: a collective that timed out (torch's error names neither it nor the rank) becomes a Hung
-    naming the ranks that never arrived. Each rank whose wait ran out marks itself in the store (held by rank 0's
-    process, or by torchrun's agent), waits for the others to do so, and reads who did not."""
+    """A collective that timed out (torch's error names neither it nor the rank) becomes a Hung that names the ranks
+    that never arrived: each rank whose wait ran out marks itself in the store, waits for the others to, and reads."""
     try:
         yield
     except RuntimeError as e:
@@ -512,27 +485,23 @@ def hangs_named(store, rank, world_size):
             store.set(f"hung/{rank}", "")
             time.sleep(5)  # the other ranks' waits run out at about the same time
             arrived = [r for r in range(world_size) if store.check([f"hung/{r}"])]
-        except Exception:  # noqa: BLE001 whatever the store raises: it went with the rank that held it
-            hung = Hung("a collective timed out and the store does not answer: rank 0, which holds it, is gone")
-            hung.print_it = True
-            raise hung from None
-        stuck = [r for r in range(world_size) if r not in arrived]
-        hung = Hung(f"a collective timed out: rank {', '.join(map(str, stuck)) or '?'} never arrived")
+        except Exception:  # noqa: BLE001 whatever the store raises: it went with the process that held it
+            raise Hung("a collective timed out, and the store is gone with rank 0, which held it") from None
+        hung = Hung(f"a collective timed out: rank {', '.join(str(r) for r in range(world_size) if r not in arrived)} "
+                    "never arrived")
         hung.print_it = rank == min(arrived)
-        time.sleep(5 if rank == 0 else 0)  # rank 0's process holds the store: the others still read it
+        time.sleep(5 if rank == 0 else 0)  # rank 0's process holds the store: the others may still read it
         raise hung from None
 
 
 def run(main, args, rank):
-    """main(args), ending as docs/failures.md says: an error we know of as one line, printed once (by rank 0, or by
-    the rank that knows it), and its exit status."""
+    """main(args), ending as docs/failures.md says: an error as one line printed once, and its exit status."""
     for name in ("SIGUSR1", "SIGTERM"):  # (Windows has no SIGUSR1)
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), note_signal)
+        signal.signal(getattr(signal, name), note_signal) if hasattr(signal, name) else None
     try:
         main(args)
     except RuntimeError:
-        if received == signal.SIGTERM:  # told to stop, and a peer has left already (torchrun stops them all)
+        if received == signal.SIGTERM:  # told to stop, and a peer has left already (a launcher stops them all)
             sys.exit(128 + signal.SIGTERM)
         raise
     except (UsageError, NonFinite, Hung, Stopped) as e:

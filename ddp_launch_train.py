@@ -80,11 +80,8 @@ def build_data(run):
     epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank, once."""
     args = run.args
     # rank 0 downloads and builds first, alone, so that N processes never write the same files at once; then the others
-    if run.rank == 0:
-        run.train_set, val_set = common.load_data(args, download=True)
-    dist.barrier()
-    if run.rank != 0:
-        run.train_set, val_set = common.load_data(args)
+    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), run.rank) or \
+        common.load_data(args)
     # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
     run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True, seed=args.seed,
                                      drop_last=True)
@@ -115,7 +112,8 @@ def build_model(run):
 def resume(run):
     """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed). Returns the
     progress it saved, or None for a fresh start."""
-    ckpt = common.find_checkpoint(run.args, run.out_dir, run.raw_model, run.global_batch) if run.rank == 0 else None
+    ckpt = common.on_rank0(lambda: common.find_checkpoint(run.args, run.out_dir, run.raw_model, run.global_batch),
+                           run.rank)
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     if meta[0]:
@@ -226,8 +224,6 @@ def main(args):
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     build_data(run)
     build_model(run)
-    if master:  # a fresh run replaces no earlier last.pt; checked before anything is written
-        common.check_out_dir(run.out_dir, args)
     saved = resume(run)
     run.progress = progress = common.Progress(run.steps_per_epoch, run.global_batch, run.device, saved)
     if progress.step >= (args.max_steps or float("inf")):  # --max-steps is a budget: a resume may find it spent
