@@ -72,8 +72,6 @@ class Parser(argparse.ArgumentParser):
         args = super().parse_args(*a, **kw)
         if args.freeze_backbone and not (args.pretrained or args.weights):
             self.error("--freeze-backbone needs --pretrained or --weights: a random backbone is not worth freezing")
-        if args.pretrained and args.model == "cnn":
-            self.error("--pretrained needs a torchvision model (e.g. --model resnet50): cnn has no pretrained weights")
         if args.device == "cuda" and not torch.cuda.is_available():
             self.error("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
         if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -86,19 +84,17 @@ def get_parser(doc):
                                                                     argparse.ArgumentDefaultsHelpFormatter), {}))
     a, positive = p.add_argument, number(int, 1)
     a("--dataset", default="synthetic", choices=["synthetic", "mnist", "cifar10", "imagefolder"],
-      help="synthetic (offline, MNIST-shaped) or, with train_extras/datasets.py, mnist, cifar10, imagefolder")
+      help="synthetic (offline, MNIST-shaped), or with train_extras/datasets.py: mnist, cifar10, imagefolder")
     a("--data-dir", default="./data", help="mnist/cifar10: downloaded here; imagefolder: the folder of train/, val/")
     a("--train-size", type=positive, help="training samples (synthetic: default 10000; real data: a random subset)")
     a("--val-size", type=positive, help="validation samples (synthetic: default 2000; real data: a random subset)")
     a("--image-size", type=number(int, 7), help="imagefolder: resize to this square (default 224)")
     a("--synthetic-shape", type=shape, default="1x28x28", help="synthetic: CxHxW, e.g. 3x224x224")
-    a("--model", default="cnn", help="cnn (a small 2-conv net) or a torchvision model, e.g. resnet18")
-    tune = p.add_mutually_exclusive_group()
-    tune.add_argument("--pretrained", action="store_true", help="start from the torchvision model's ImageNet weights "
-                      "with a new head (train_extras/finetune.py)")
-    tune.add_argument("--weights", help="start from this state_dict or checkpoint: what matches by name and shape "
-                      "(train_extras/finetune.py)")
-    a("--freeze-backbone", action="store_true", help="train only the classifier head (train_extras/finetune.py)")
+    a("--model", default="cnn", help="cnn (a small 2-conv net) or, with train_extras/models.py, a torchvision one")
+    tune = p.add_mutually_exclusive_group().add_argument  # fine-tuning: train_extras/finetune.py
+    tune("--pretrained", action="store_true", help="start from the torchvision model's ImageNet weights, a new head")
+    tune("--weights", help="start from this state_dict or checkpoint: the tensors that match by name and shape")
+    a("--freeze-backbone", action="store_true", help="train only the classifier head")
     a("--epochs", type=positive, default=2, help="passes over the training set")
     a("--batch-size", type=positive, default=64, help="per process; the global batch is this times the processes")
     a("--lr", type=number(float, 0), default=0.01, help="peak LR for the global batch, NOT rescaled with processes")
@@ -111,15 +107,15 @@ def get_parser(doc):
     a("--max-steps", type=positive, help="stop after this many optimizer steps in all")
     a("--grad-accum", type=positive, default=1, help="micro-batches per optimizer step")
     a("--out-dir", help="where metrics.jsonl and last.pt go (default ./runs/<script name>)")
-    fresh = p.add_mutually_exclusive_group()
-    fresh.add_argument("--resume", help="a checkpoint to continue from, or 'auto': the one in --out-dir, if any")
-    fresh.add_argument("--overwrite", action="store_true", help="start afresh, replacing --out-dir's checkpoint")
+    fresh = p.add_mutually_exclusive_group().add_argument
+    fresh("--resume", help="a checkpoint to continue from, or 'auto': the one in --out-dir, if any")
+    fresh("--overwrite", action="store_true", help="start afresh, replacing --out-dir's checkpoint")
     a("--save-every", type=positive, help="also save every N optimizer steps, not only at epoch ends")
     a("--ckpt-format", choices=["file", "dcp"], default="file", help="dcp: sharded checkpoints (fsdp_train.py)")
     a("--async-save", action="store_true", help="dcp checkpoints written in the background (fsdp_train.py)")
     a("--clip-grad", type=number(float, 0, above=True), metavar="MAX_NORM", help="clip the gradients' global norm")
     a("--step-timeout", type=number(float, 0, above=True), default=300, help="after the first step, seconds a "
-      "collective may wait before every rank stops and the ranks that did not arrive are named")
+      "collective may wait; then every rank stops, and the ranks that did not arrive are named")
     a("--log-every", type=positive, default=20, help="a progress line and NaN/inf check every N steps (or sooner)")
     a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir")
     a("--device", choices=["cpu", "cuda"], help="default: cuda if available")
@@ -159,14 +155,11 @@ def set_threads_and_math(local_world_size, deterministic):
 
 def on_rank0(fn, rank):
     """fn() on rank 0 while the others wait; its UsageError raised on every rank, so that none waits forever."""
-    result, error = None, [None]
-    if rank == 0:
-        try:
-            result = fn()
-        except UsageError as e:
-            error = [str(e)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(error, src=0)
+    try:
+        result, error = (fn(), [None]) if rank == 0 else (None, [None])
+    except UsageError as e:
+        result, error = None, [str(e)]
+    dist.broadcast_object_list(error, src=0) if dist.is_initialized() else None
     if error[0]:
         raise UsageError(error[0])
     return result
@@ -197,11 +190,10 @@ def load_data(args, download=False):
 
 
 def channels_and_classes(ds):
-    """(size of x's first dimension, number of classes): the classes from the dataset's `classes` attribute (a count
-    or the names) if it has one, else from one pass over its labels."""
-    classes = getattr(ds, "classes", None)
-    if classes is None:
-        classes = 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else max(int(y) for _, y in ds))
+    """(size of x's first dimension, number of classes): from the dataset's `classes` (a count or the names) if it
+    has one, else from one pass over its labels."""
+    classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else
+                                                      max(int(y) for _, y in ds))
     classes = classes if isinstance(classes, int) else len(classes)
     if classes < 2:
         raise UsageError(f"the data holds {classes} class: a classifier needs at least 2")
@@ -244,20 +236,9 @@ class Net(nn.Module):
 
 
 def make_model(name, channels, classes):
-    """cnn, or torchvision's model `name` for `classes` classes, its first conv taking `channels` channels."""
-    if name == "cnn":
-        return Net(channels, classes)
-    import torchvision
-    if name not in torchvision.models.list_models(module=torchvision.models):
-        raise UsageError(f"unknown --model {name!r}: use cnn or a torchvision classification model, e.g. resnet18")
-    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
-    model = torchvision.models.get_model(name, num_classes=classes, **extra)
-    parent, key, c = next((p, k, m) for p in model.modules() for k, m in p.named_children()
-                           if isinstance(m, nn.Conv2d))  # the first conv, made for this data's channels
-    if channels != c.in_channels:
-        setattr(parent, key, nn.Conv2d(channels, c.out_channels, c.kernel_size, c.stride, c.padding,
-                                       bias=c.bias is not None))
-    return model
+    """cnn, or a torchvision model (train_extras/models.py)."""
+    return Net(channels, classes) if name == "cnn" else optional("models", f"--model {name}").make(name, channels,
+                                                                                                  classes)
 
 
 def make_optimizer(args, model, steps_per_epoch):
@@ -332,7 +313,7 @@ def find_checkpoint(args, out_dir, model, global_batch):
 
 
 def rng_state(device):
-    """This process's random number generators, which dropout and the like draw from: the CPU's and its GPU's."""
+    """This process's random number generators (dropout draws from them): the CPU's and its GPU's."""
     return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
 
 
@@ -399,7 +380,7 @@ class Progress:
         that all agree. After the first check, when start-up is over everywhere, collectives get --step-timeout."""
         if not (every_rank or self.step >= self.next_check):
             return None
-        seconds = torch.tensor([received, time.monotonic() - (self.checked or (0, time.monotonic()))[1]])
+        seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
         flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -408,15 +389,14 @@ class Progress:
                     datetime.timedelta(seconds=args.step_timeout))
         if -flags[0].item() < self.NEVER:
             raise NonFinite(f"loss is NaN/inf at step {int(-flags[0].item())}: stopped, the last checkpoint is older")
-        per_step = flags[2].item() / max(1, self.step - (self.checked or (0,))[0])
+        per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf  # first: measure
         every = min(args.log_every - self.step % args.log_every, max(1, int(self.CHECK_S / max(per_step, 1e-9))))
         self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
         return int(flags[1].item())
 
-    def clock(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the GPU's queued work is part of the time
-        return time.perf_counter()
+    def clock(self):  # the GPU's queued work is part of the time
+        return torch.cuda.synchronize(self.device) or time.perf_counter() if self.device.type == "cuda" else \
+            time.perf_counter()
 
     def end_epoch(self):
         self.train_time = self.clock() - self.t0 if self.t0 else 0.0
@@ -434,7 +414,7 @@ class Progress:
 
 
 def progress_bar(progress, master):
-    """Rank 0's bar on a terminal; none in a log file (tqdm's disable=None), where log_line prints plain lines."""
+    """Rank 0's bar on a terminal; none in a log file (disable=None), where log_line prints plain lines."""
     return tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
                 leave=False, disable=None if master else True)
 
@@ -496,8 +476,8 @@ def hangs_named(store, rank, world_size):
 
 def run(main, args, rank):
     """main(args), ending as docs/failures.md says: an error as one line printed once, and its exit status."""
-    for name in ("SIGUSR1", "SIGTERM"):  # (Windows has no SIGUSR1)
-        signal.signal(getattr(signal, name), note_signal) if hasattr(signal, name) else None
+    for sig in [getattr(signal, "SIGUSR1", signal.SIGTERM), signal.SIGTERM]:  # (Windows has no SIGUSR1)
+        signal.signal(sig, note_signal)
     try:
         main(args)
     except RuntimeError:
