@@ -1,0 +1,196 @@
+"""--dataset mnist, cifar10 and imagefolder (common.load_data builds the synthetic data itself). Random augmentation
+is drawn from (seed, epoch, index) alone, never from a worker's generator: results do not depend on --workers.
+The scripts call a dataset's set_epoch(epoch) before each epoch's DataLoader."""
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+import common
+
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+STATS = {"mnist": ([0.1307], [0.3081]), "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])}
+
+
+def load(args, download=False):
+    """(train_set, val_set) for --dataset. download=True: the one process that may fetch files (rank 0, before the
+    others). With --pretrained: the weights' normalization, and grayscale repeated to the 3 channels they expect."""
+    weights = None
+    if args.pretrained:
+        weights = common.optional("finetune", "--pretrained").pretrained_weights(args.model)
+    if args.dataset == "imagefolder":
+        return image_folder(args, weights, download)
+    return tuple(in_memory(args, train, weights, download) for train in (True, False))
+
+
+def random_subset(n_all, n, seed):
+    """Indices of n of n_all samples (all without n), drawn with `seed`: the same on every rank and every run."""
+    if n is None or n >= n_all:
+        return list(range(n_all))
+    return torch.randperm(n_all, generator=torch.Generator().manual_seed(seed))[:n].sort().values.tolist()
+
+
+# ---- MNIST and CIFAR-10: small enough to hold in memory, normalized once
+class InMemory(TensorDataset):
+    """Normalized images and labels in memory. ds[list of indices] is a whole batch (common.make_loader's fast path:
+    one tensor index, no per-sample Python); `augment`: a random crop and flip per sample, drawn from (seed, epoch,
+    index), done on the batch where the tensors are (on the GPU, if make_loader moved them there)."""
+
+    def __init__(self, x, y, classes, augment=False, seed=0):
+        super().__init__(x, y)
+        self.classes, self.augment, self.seed, self.epoch = classes, augment, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __getitem__(self, idx):
+        x, y = super().__getitem__(idx)
+        if not self.augment:
+            return x, y
+        idx = torch.as_tensor(idx, device=x.device)
+        batch = x if x.ndim == 4 else x[None]  # one sample: a batch of one
+        batch = crop_flip(batch, per_sample_random(self.seed, self.epoch, idx.reshape(-1)), pad=x.shape[-1] // 8)
+        return batch if x.ndim == 4 else batch[0], y
+
+
+def in_memory(args, train, weights, download):
+    """MNIST's or CIFAR-10's training or test set via torchvision (fetched into --data-dir where `download`), as an
+    InMemory; CIFAR-10's training set augmented."""
+    from torchvision import datasets
+    d = args.dataset
+    try:
+        ds = (datasets.MNIST if d == "mnist" else datasets.CIFAR10)(args.data_dir, train=train, download=download)
+    except Exception as e:  # no network, or no files and download=False
+        where = os.path.join(args.data_dir, *(("MNIST", "raw") if d == "mnist" else ("cifar-10-batches-py",)))
+        raise common.UsageError(f"{d} is not in {args.data_dir} and could not be downloaded ({type(e).__name__}): put "
+                                f"its files in {where}, or use --dataset synthetic, which needs no download") from None
+    keep = random_subset(len(ds.targets), args.train_size if train else args.val_size, args.seed)
+    x = torch.as_tensor(ds.data[keep]).float().div(255)  # the subset first: less to convert
+    x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)  # MNIST: N,H,W; CIFAR-10: N,H,W,C
+    mean, std = STATS[d]
+    if weights:  # the weights' statistics (at this data's own resolution: docs/usage.md), and RGB
+        mean, std = weights.transforms().mean, weights.transforms().std
+        x = x.expand(-1, 3, -1, -1)
+    x = (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    return InMemory(x.contiguous(), torch.as_tensor(ds.targets)[keep], ds.classes, train and d == "cifar10", args.seed)
+
+
+def per_sample_random(seed, epoch, idx):
+    """A pseudo-random 31-bit integer per sample (a tensor of indices), a function of (seed, epoch, index) alone."""
+    h = (idx.long() + ((seed * 1_000_003 + epoch * 7_919) % 2**31) * 40_503) & 0x7FFFFFFF
+    for _ in range(3):
+        h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
+    return h
+
+
+def crop_flip(x, r, pad):
+    """A random crop after zero padding and a random horizontal flip of each image of a batch (B, C, H, W), as the
+    bits of r (from per_sample_random) say: one gather for the whole batch."""
+    B, C, H, W = x.shape
+    padded = F.pad(x, (pad, pad, pad, pad))
+    dy, dx = (r >> 1) % (2 * pad + 1), (r >> 9) % (2 * pad + 1)
+    rows = dy[:, None] + torch.arange(H, device=x.device)
+    cols = dx[:, None] + torch.arange(W, device=x.device)
+    cols = torch.where((r & 1).bool()[:, None], cols.flip(1), cols)
+    out = padded[torch.arange(B, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]  # B,H,W,C
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+# ---- an ImageFolder: files decoded in DataLoader workers
+class BadFile(common.UsageError):
+    """An unreadable image: only the rank that read it knows, so that rank prints it."""
+    print_it = True
+
+    def __str__(self):  # raised again in the main process with the worker's traceback as its message: its last line
+        return super().__str__().strip().splitlines()[-1].split("BadFile: ", 1)[-1]
+
+
+class ImageFiles(Dataset):
+    """The images of root/<class>/<image>, resized to `size` (with random crop and flip where `augment`), or with
+    `weights` (--pretrained) preprocessed as theirs. Decoded by torchvision.io and transformed while still uint8
+    (4x fewer bytes to carry to the main process and the GPU), made float by `normalize` on the device."""
+
+    def __init__(self, root, size, augment, seed, weights=None):
+        from torchvision import datasets
+        folder = datasets.ImageFolder(root)  # its loader makes every image RGB
+        self.samples, self.classes, self.loader = folder.samples, folder.classes, folder.loader
+        self.seed, self.epoch = seed, 0
+        self.transform, self.mean, self.std, self.as_pil = transforms(size, augment, weights)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.samples)
+
+    def read(self, path):
+        if self.as_pil:
+            return self.loader(path)
+        try:  # torchvision 0.29 deprecates its decoders for TorchCodec; if they are gone, PIL reads every file
+            from torchvision.io import ImageReadMode, decode_image
+            return decode_image(path, mode=ImageReadMode.RGB)
+        except (ImportError, RuntimeError):  # or a format it does not read (BMP, TIFF...), or a broken file
+            from torchvision.transforms.functional import pil_to_tensor
+            return pil_to_tensor(self.loader(path))
+
+    def __getitem__(self, i):
+        path, label = self.samples[i]
+        try:
+            image = self.read(path)
+        except (OSError, ValueError) as e:  # truncated, empty, not an image: name the file, among 100,000 others
+            why = " ".join(str(e).split())  # one line: BadFile keeps only the last
+            raise BadFile(f"{path} is not a readable image ({type(e).__name__}: {why}): remove or replace it") from None
+        # torchvision's random transforms draw from torch's CPU generator: seeded here, and left as it was
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(int(per_sample_random(self.seed, self.epoch, torch.tensor(i))))
+            return self.transform(image), label
+
+    def normalize(self, x):
+        """A uint8 batch of these images, on its device, made float and normalized (the scale to [0, 1] folded into
+        the mean and std: Python scalars, nothing copied to the GPU). Validation with --pretrained is float already."""
+        if x.dtype != torch.uint8:
+            return x
+        x = x.float()
+        for c, (m, s) in enumerate(zip(self.mean, self.std)):
+            x[:, c].sub_(255 * m).div_(255 * s)
+        return x
+
+
+def transforms(size, augment, weights):
+    """(transform, mean, std, as_pil) of ImageFiles. With `weights`: validation exactly theirs (on the PIL image: a
+    tensor's resize differs a bit), training with the augmentation of torchvision's recipes; `size` the crop, their
+    resize scaled with it."""
+    from torchvision.transforms import v2
+    if weights is None:
+        size = size or 224
+        flips = [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip()] if augment else []
+        return v2.Compose([v2.ToImage(), v2.Resize((size, size))] + flips), IMAGENET_MEAN, IMAGENET_STD, False
+    preset = weights.transforms()  # resize, center crop, mean/std: how the weights were evaluated
+    if size:
+        resize = round(size * preset.resize_size[0] / preset.crop_size[0])
+        preset = weights.transforms(crop_size=size, resize_size=resize)
+    if not augment:
+        return preset, preset.mean, preset.std, True
+    steps = [v2.RandomResizedCrop(preset.crop_size, interpolation=preset.interpolation), v2.RandomHorizontalFlip()]
+    return v2.Compose([v2.ToImage()] + steps), preset.mean, preset.std, False
+
+
+def image_folder(args, weights, download):
+    """ImageFiles of --data-dir's train/ and val/, each a random subset with --train-size/--val-size."""
+    sets = []
+    for split, n in (("train", args.train_size), ("val", args.val_size)):
+        root = os.path.join(args.data_dir, split)
+        try:
+            ds = ImageFiles(root, args.image_size, split == "train", args.seed, weights)
+        except OSError as e:  # no such folder, no class folders, a class without images
+            raise common.UsageError(f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
+        ds.samples = [ds.samples[i] for i in random_subset(len(ds.samples), n, args.seed)]
+        sets.append(ds)
+    if sets[0].classes != sets[1].classes:  # label 3 would mean one class in training and another in validation
+        raise common.UsageError(f"train/ and val/ in {args.data_dir} hold different classes: {sets[0].classes} vs "
+                                f"{sets[1].classes}")
+    if download and args.image_size is None and not weights:  # said once, by the process that may download
+        print("imagefolder: images resized to 224x224; small images train much faster at about their own size: "
+              "--image-size", flush=True)
+    return tuple(sets)

@@ -1,0 +1,149 @@
+"""--pretrained, --weights FILE and --freeze-backbone: the model a script built, given its starting weights and
+frozen where asked, before the script moves it to the device and wraps it (DDP, FSDP, DataParallel)."""
+import functools
+import os
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+import common
+
+AUX_LOGITS = ("googlenet", "inception_v3")  # as train_extras/models.py builds them: no auxiliary outputs
+
+
+def prepare(model, run):
+    """`model` with the starting weights the flags ask for, frozen but for its head with --freeze-backbone.
+    --weights is read on rank 0 only (nodes need not share a filesystem): DDP's wrapping, or the script, gives its
+    weights to the others."""
+    args = run.args
+    channels, classes = common.channels_and_classes(run.train_set)
+    head = head_names(args.model, channels, classes)
+    if args.pretrained:  # one process per machine downloads them into the torch hub cache; then every rank reads it
+        weights = pretrained_weights(args.model)  # every rank alike: a UsageError for a model without weights
+        once_per_machine(lambda: fetch_pretrained(args.model), run.local_rank)
+        model = load_pretrained(model, args.model, head)
+        if run.rank == 0:
+            print(f"{weights}: every tensor loaded but the new head for {classes} classes ({', '.join(sorted(head))})",
+                  flush=True)
+    if args.weights:
+        common.on_rank0(lambda: load_weights(model, args, head), run.rank)
+    if args.freeze_backbone:
+        freeze_backbone(model, head)
+    return model
+
+
+def once_per_machine(fn, local_rank):
+    """fn() in local rank 0 of each machine while the others wait. A UsageError raised in any of them is raised on
+    every rank alike, so that no rank is left waiting in a collective for one that has stopped. (common.on_rank0
+    hears rank 0 only: another machine's error would be lost.)"""
+    error = None
+    if local_rank == 0:
+        try:
+            fn()
+        except common.UsageError as e:
+            error = str(e)
+    if dist.is_initialized():  # also the wait: every rank gathers every rank's error, if any
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise common.UsageError(error)
+
+
+def pretrained_weights(name):
+    """The default (best) ImageNet weights of torchvision's model `name`: their URL, preprocessing and metadata."""
+    import torchvision
+    try:
+        return torchvision.models.get_model_weights(name).DEFAULT
+    except ValueError:  # cnn, or a model torchvision has no weights for
+        raise common.UsageError(f"--pretrained needs a torchvision model (e.g. --model resnet50): {name} has no "
+                                "pretrained weights") from None
+
+
+def fetch_pretrained(name):
+    """The default weights of `name` downloaded into the torch hub cache ($TORCH_HOME/hub/checkpoints), unless they
+    are there already."""
+    weights = pretrained_weights(name)
+    path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+    try:
+        weights.get_state_dict(progress=True, check_hash=True)  # a download is checked against the hash in its name
+    except Exception as e:  # no network, a proxy, a truncated file...
+        if os.path.exists(path):
+            raise common.UsageError(f"{path} could not be read ({type(e).__name__}): delete it to download it "
+                                    "again") from None
+        raise common.UsageError(f"could not download the {weights} weights ({type(e).__name__}): put "
+                                f"{os.path.basename(path)} (from {weights.url}) in {os.path.dirname(path)}") from None
+
+
+def load_pretrained(model, name, head):
+    """torchvision's model `name` with its default weights, read from the cache, and `model`'s fresh head in place
+    of its own. Built by torchvision's builder, which also sets what the weights need
+    (vit_h_14's image size, inception's transform_input) and adapts older files (densenet's key names)."""
+    import torchvision
+    weights = pretrained_weights(name)
+    extra = dict(aux_logits=False) if name in AUX_LOGITS else {}
+    pretrained = torchvision.models.get_model(name, weights=weights, progress=False, **extra)
+    for path in sorted({n.rsplit(".", 1)[0] for n in head}):
+        pretrained.set_submodule(path, model.get_submodule(path))
+    return pretrained
+
+
+@functools.lru_cache
+def head_names(name, channels, classes):
+    """Names of the classifier head's tensors: those whose shape depends on the number of classes (found by building
+    the model for one class more on the meta device: no memory, no weights initialized, no random numbers drawn)."""
+    try:
+        with torch.device("meta"):
+            a, b = (common.make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+    except NotImplementedError:  # a builder that computes its layer sizes with tensors (regnet): on the CPU
+        with torch.random.fork_rng(devices=[]):
+            a, b = (common.make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+    return frozenset(k for k in a if a[k].shape != b[k].shape)
+
+
+def load_weights(model, args, head):
+    """--weights: the file's tensors loaded into `model` where name and shape match (a DDP `module.` or
+    torch.compile `_orig_mod.` prefix ignored); the others keep their fresh values (another head size, another
+    channel count), and one line says which. No match at all is an error, not a silently fresh model; so is a
+    backbone tensor left fresh under --freeze-backbone, which would freeze it at its random start."""
+    state, own = dict(common.read_checkpoint(args.weights)[1]), model.state_dict()
+    for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # torch.compile of DDP, or DDP of torch.compile
+        consume_prefix_in_state_dict_if_present(state, prefix)
+    hits = {k: v for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape == own[k].shape}
+    if not hits:
+        raise common.UsageError(f"{args.weights} holds no tensor of this --model's names and shapes: is it a "
+                                f"{model.__class__.__name__}?")
+    fresh, unused = [k for k in own if k not in hits], [k for k in state if k not in own]
+    frozen_fresh = [k for k in fresh if k not in head] if args.freeze_backbone else []
+    if frozen_fresh:
+        raise common.UsageError(f"--freeze-backbone would freeze tensors that {args.weights} does not hold: "
+                                f"{listed(frozen_fresh)}")
+    model.load_state_dict(hits, strict=False)
+    print(f"{args.weights}: loaded {len(hits)} of the model's {len(own)} tensors"
+          + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
+          + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""), flush=True)
+
+
+def listed(names):
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def freeze_backbone(model, head):
+    """Only the head's parameters keep requires_grad: done before wrapping, DDP then leaves the others out of its
+    gradient buckets. The backbone's BatchNorm layers stay in eval mode, model.train() or not: they normalize with
+    the loaded running statistics, not each GPU's batch statistics, which would depend on the per-GPU batch size
+    and drift from what the weights were trained with."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in head)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not any(k.startswith(f"{name}.") for k in head):
+            m.train = types.MethodType(stay_in_eval, m)  # this instance's train(), which Module.train() calls
+            m.eval()
+
+
+def stay_in_eval(self, mode=True):
+    """A frozen BatchNorm layer's train(): eval mode, whatever is asked."""
+    return nn.Module.train(self, False)
