@@ -54,7 +54,8 @@ def clean_env(base=None, **extra):
     --device cuda and --gpus must mean the same everywhere.)"""
     env = {k: v for k, v in (base or os.environ).items()
            if k not in LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-    return CpuEnv({**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra})
+    return CpuEnv({**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+                   "PYTHONFAULTHANDLER": "1", **extra})
 
 
 MEASURED = []  # (test, what, value, tolerance or None): printed at the end of the run, and to MEASURED_JSON
@@ -154,12 +155,12 @@ def run_once(script, *args, nproc, launcher, env, timeout, launcher_args):
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # first SIGUSR2, on which the scripts print every thread's Python stack (faulthandler): where it hung. Not
+        # first SIGABRT, on which Python prints every thread's stack (PYTHONFAULTHANDLER): where it hung. Not
         # only p's tree: a worker whose launcher has exited is nobody's child, but still holds p's output open.
         # torchrun itself is spared it (it would die of it, and its workers with it, before they print)
         state = "still running" if p.poll() is None else f"exited {p.returncode}, a process it started still running"
         spared = {p.pid} if launcher == "torchrun" else set()
-        for sig, pids in ((signal.SIGUSR2, lambda: set(started_by(token)) - spared),
+        for sig, pids in ((signal.SIGABRT, lambda: set(started_by(token)) - spared),
                           (signal.SIGKILL, lambda: {p.pid, *started_by(token)})):
             for pid in pids():
                 with contextlib.suppress(ProcessLookupError):

@@ -9,6 +9,8 @@ import torch
 
 import common
 from conftest import checkpoint, metrics, run
+from train_extras import finetune
+from train_extras.datasets import ImageFiles
 
 CACHED_FILE = "resnet18-f37072fd.pth"  # ResNet18_Weights.DEFAULT.url ends with it
 
@@ -102,11 +104,13 @@ def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_process
     assert [k for k in ckpt["model"] if not torch.equal(resumed["model"][k], ckpt["model"][k])] == []
     assert [r["epoch"] for r in metrics(str(part))] == [1, 2]
 
-    # resuming a frozen run without --freeze-backbone would load an optimizer state of other parameters
-    p = run("ddp_launch_train.py", *data, *[a for a in FINETUNE if a != "--freeze-backbone"], "--resume",
-            full / "last.pt", "--out-dir", tmp_path / "other", env=env, check=False)
+    # resuming a frozen run without --freeze-backbone would load an optimizer state of other parameters: refused,
+    # by that check alone (the same model, classes, channels and global batch: one process of 8)
+    p = run("ddp_launch_train.py", *data, *[a for a in FINETUNE if a != "--freeze-backbone"], "--batch-size", 8,
+            "--resume", full / "last.pt", "--out-dir", tmp_path / "other", env=env, check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        f"error: {full / 'last.pt'} was trained with --freeze-backbone: resume it the same way"]
+        f"error: {full / 'last.pt'} is not a training state of this model and flags (another --model, classes or "
+        "channels, --freeze-backbone; or weights only: give it to --weights)"]
 
 
 def test_pretrained_on_grayscale_data_keeps_the_first_layer(torch_home, tmp_path):
@@ -141,43 +145,93 @@ def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, t
         assert torch.equal(state[k], expected), k
 
 
-def test_fine_tuning_flags_that_cannot_work_are_one_line_errors():
-    args = types.SimpleNamespace(**{a.dest: a.default for a in common.get_parser("")._actions})
-    for change, words in (({"pretrained": True}, "--pretrained needs a torchvision model"),
-                          ({"model": "resnet18", "pretrained": True, "weights": "x.pt"}, "choose one"),
-                          ({"freeze_backbone": True}, "--freeze-backbone needs --pretrained or --weights")):
-        with pytest.raises(common.UsageError, match=words):
-            common.validate(types.SimpleNamespace(**{**vars(args), **change}))
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "resnet18", "--pretrained", "--weights", "x.pt"], "argument --weights: not allowed with argument "
+                                                                     "--pretrained"),
+    (["--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights"),
+    (["--model", "resnet18", "--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights")])
+def test_fine_tuning_flags_that_cannot_work_together_are_one_line_errors(argv, words, capsys, monkeypatch):
+    """Refused by the parser, before anything is built: one `error:` line, exit 2."""
+    for var in ("RANK", "SLURM_PROCID"):  # the parser prints on rank 0 only
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as e:
+        common.get_parser("").parse_args([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and words in err, err
+
+
+def test_pretrained_without_a_torchvision_model_is_a_one_line_error(tmp_path):
+    """cnn has no pretrained weights: the run stops with one line, exit 2, before it trains or writes a checkpoint."""
+    with pytest.raises(common.UsageError, match="--pretrained needs a torchvision model .*: cnn has no pretrained"):
+        finetune.pretrained_weights("cnn")
+    out = tmp_path / "out"
+    p = run("dp_train.py", "--pretrained", "--train-size", 64, "--val-size", 16, "--batch-size", 32, "--epochs", 1,
+            "--out-dir", out, check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: --pretrained needs a torchvision model (e.g. --model resnet50): cnn has no pretrained weights"], \
+        p.stderr
+    assert not (out / "last.pt").exists()
 
 
 def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):
     """A 1-channel cnn's file leaves a 3-channel cnn's conv1.weight fresh: fine to train, not to freeze."""
     torch.manual_seed(0)
-    torch.save(common.make_model("cnn", 1, 10).state_dict(), tmp_path / "w.pt")
+    theirs = common.make_model("cnn", 1, 10).state_dict()
+    torch.save(theirs, tmp_path / "w.pt")
     model = common.make_model("cnn", 3, 10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    head = finetune.head_names("cnn", 3, 10)
+    assert head == {"fc2.weight", "fc2.bias"}
     args = types.SimpleNamespace(weights=str(tmp_path / "w.pt"), model="cnn", freeze_backbone=True)
     with pytest.raises(common.UsageError, match="--freeze-backbone would freeze tensors that .* does not hold: "
                                                 "conv1.weight$"):
-        common.load_weights(model, args, 3, 10)
+        finetune.load_weights(model, args, head)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])] == []  # refused: none loaded
     args.freeze_backbone = False
-    assert torch.equal(common.load_weights(model, args, 3, 10)["conv1.weight"], model.state_dict()["conv1.weight"])
+    finetune.load_weights(model, args, head)
+    state = model.state_dict()
+    assert torch.equal(state["conv1.weight"], before["conv1.weight"])  # kept fresh
+    assert [k for k in state if k != "conv1.weight" and not torch.equal(state[k], theirs[k])] == []
+
+
+def test_a_frozen_backbone_trains_only_its_head_and_its_batchnorm_stays_in_eval_mode():
+    """After freezing, only the head's parameters want gradients, and model.train() (which every epoch calls)
+    leaves the backbone's BatchNorm layers in eval mode: they keep the loaded running statistics."""
+    torch.manual_seed(0)
+    model = common.make_model("resnet18", 3, 3)
+    head = finetune.head_names("resnet18", 3, 3)
+    assert head == {"fc.weight", "fc.bias"}
+    finetune.freeze_backbone(model, head)
+    model.train()
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == sorted(head)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(norms) == 20 and not any(m.training for m in norms)
+    assert model.training and model.fc.training  # the rest trains as asked
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    model(torch.randn(4, 3, 32, 32))
+    assert [k for k in stats if not torch.equal(model.state_dict()[k], stats[k])] == []  # a forward changed none
 
 
 def test_pretrained_preprocessing_is_the_weights_own(images):
     import torchvision
     from PIL import Image
     weights = torchvision.models.get_model_weights("resnet18").DEFAULT
-    val = common.ImageFiles(images / "val", None, False, 0, weights)
-    x, label = val[(0, 4)]
-    path, expected_label = val.folder.samples[4]
+    val = ImageFiles(images / "val", None, False, 0, weights)
+    x, label = val[4]
+    path, expected_label = val.samples[4]
     assert label == expected_label and x.shape == (3, 224, 224)  # resize to 256, center crop 224
     assert torch.equal(x, weights.transforms()(Image.open(path).convert("RGB")))  # exactly the weights' own
-    assert common.ImageFiles(images / "val", 64, False, 0, weights).transform.resize_size == [73]  # 256/224 kept
-    train = common.ImageFiles(images / "train", 64, True, 0, weights)
+    assert ImageFiles(images / "val", 64, False, 0, weights).transform.resize_size == [73]  # 256/224 kept
+    train = ImageFiles(images / "train", 64, True, 0, weights)
     rng = torch.get_rng_state()
-    a, b, c = train[(0, 5)][0], train[(0, 5)][0], train[(1, 5)][0]
+    a, b = train[5][0], train[5][0]
+    train.set_epoch(1)
+    c = train[5][0]
+    train.set_epoch(0)
     assert torch.equal(rng, torch.get_rng_state())  # the caller's RNG is left as it was
-    assert a.shape == (3, 64, 64) and torch.equal(a, b) and not torch.equal(a, c)  # a function of (seed, epoch, index)
+    # a function of (seed, epoch, index): the same twice, another in another epoch, the same again in epoch 0
+    assert a.shape == (3, 64, 64) and torch.equal(a, b) and not torch.equal(a, c) and torch.equal(train[5][0], a)
+    assert not torch.equal(ImageFiles(images / "train", 64, True, 1, weights)[5][0], a)  # and of the seed
     # training images leave the workers as uint8; a random crop of a one-colour image is that colour, and
     # normalize, on the batch, gives it the weights' mean and std
     flat = train.transform(Image.new("RGB", (40, 48), (255, 0, 128)))
