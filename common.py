@@ -392,7 +392,7 @@ class Progress:
                     datetime.timedelta(seconds=args.step_timeout))
         if -flags[0].item() < self.NEVER:
             raise NonFinite(f"loss is NaN/inf at step {int(-flags[0].item())}: stopped, the last checkpoint is older")
-        per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf  # first: measure
+        per_step = flags[2].item() / max(1, self.step - self.checked[0]) if self.checked else math.inf  # first: measure
         every = min(args.log_every - self.step % args.log_every, max(1, int(self.CHECK_S / max(per_step, 1e-9))))
         self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
         return int(flags[1].item())

@@ -1,36 +1,32 @@
 """nn.DataParallel: one process drives all the GPUs it sees; each step splits the batch over them.
 
     python dp_train.py                 # all visible GPUs, or the CPU where there is none
-    python dp_train.py --gpus 0,1      # these GPUs only
-    CUDA_VISIBLE_DEVICES=2,3 python dp_train.py   # physical GPUs 2 and 3, which the script sees as 0 and 1
+    python dp_train.py --gpus 0,1      # these GPUs only, numbered among the visible ones (CUDA_VISIBLE_DEVICES)
 
-The simplest way to use several GPUs, and the slowest: one Python process (one GIL) scatters every batch, copies
-the model to every GPU at every step, and gathers the results on GPU 0, which therefore holds more memory than the
-others. Here each GPU computes its own loss (model and criterion in one module), so only per-GPU loss sums are
-gathered, not every output; --gather-outputs shows the classic way. Prefer DDP (ddp_launch_train.py) for speed.
-With no GPU or one, DataParallel simply calls the module: the scatter and gather need two or more GPUs.
+The simplest way to use several GPUs, and the slowest: one process (one GIL) copies the model to every GPU at every
+step and gathers the results on GPU 0, which holds more memory than the others. Here each GPU computes its own loss,
+so only per-GPU loss sums are gathered (--gather-outputs: the classic way). Prefer DDP (ddp_launch_train.py), which
+this script copies but for the lines marked [dp]; a checkpoint of either resumes in the other.
 """
-import functools
-import math
 import os
 import signal
-import sys
 import time
+import types
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import common
 
 
 class ModelWithLoss(nn.Module):
-    """The model and its criterion as one module: each GPU's replica returns only its loss sum and correct count,
-    so GPU 0 gathers a few numbers instead of every replica's outputs (what DataParallelModel/DataParallelCriterion
-    did, without the package)."""
+    """The model and its criterion as one module: a replica on each GPU returns only its loss sum and correct count,
+    so that GPU 0 gathers a few numbers instead of every output (DataParallelModel/Criterion, without the package)."""
 
     def __init__(self, model):
         super().__init__()
@@ -38,19 +34,16 @@ class ModelWithLoss(nn.Module):
 
     def forward(self, x, y):
         out = self.model(x)
+        y = y.to(out.device)  # --gather-outputs: the outputs came to --output-device
         return F.cross_entropy(out.float(), y, reduction="sum")[None], (out.argmax(1) == y).sum()[None]
 
 
 def setup_devices(args):
     """The GPUs this one process drives (none on a CPU machine) and the device its parameters live on: GPU numbers
     count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means physical GPUs 2 and 3."""
-    if common.launched_as_one_of_several():
-        raise common.UsageError(f"dp_train.py is one process that drives every GPU: start it with python, not "
-                                f"{common.launched_as_one_of_several()} (one process per GPU: ddp_launch_train.py)")
     use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
-    visible = torch.cuda.device_count() if use_cuda else 0
-    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-    shown = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    visible, env = torch.cuda.device_count() if use_cuda else 0, os.environ
+    shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
     try:
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(visible))
     except ValueError:
@@ -59,231 +52,188 @@ def setup_devices(args):
         raise common.UsageError(f"--gpus {args.gpus}: no GPU is visible{shown}, or --device cpu: training on the CPU")
     if not all(0 <= g < visible for g in gpus):
         raise common.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered 0 to {visible - 1}")
+    if use_cuda and (args.output_device or 0) not in range(visible):
+        raise common.UsageError(f"--output-device {args.output_device} is not a visible GPU{shown}")
     device = torch.device(f"cuda:{gpus[0]}" if use_cuda else "cpu")  # parameters live here, copied to the others
-    if use_cuda and (args.output_device or 0) not in range(torch.cuda.device_count()):
-        raise common.UsageError(f"--output-device {args.output_device} is not a GPU of this machine")
     if use_cuda:
         torch.cuda.set_device(device)
-    common.set_cpu_threads(1)
-    common.set_fast_math(device, args.deterministic)
-    return gpus, device
+    common.set_threads_and_math(1, args.deterministic)
+    # one process: rank 0 of 1, and no store (no collective to wait on: common.hangs_named has nothing to name)
+    return types.SimpleNamespace(args=args, rank=0, world_size=1, local_rank=0, device=device, gpus=gpus, store=None)
 
 
-def build_data(args, gpus, device):  # [dp]
-    """One loader, each batch --batch-size samples per GPU, in the same global order as the DDP scripts (a
-    one-replica DistributedSampler), so that all scripts agree. Returns (train_set, sampler, train_loader,
-    val_loader)."""
-    train_set, val_set = common.load_data(args, download=True)
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed, drop_last=True)
-    per_step = args.batch_size * max(1, len(gpus))
-    train_loader = common.make_loader(train_set, sampler, per_step * args.grad_accum, True, args.workers, device)
-    val_loader = common.make_loader(val_set, range(len(val_set)), per_step, False, args.workers, device)
-    if len(train_loader) == 0:
-        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "
-                                f"({per_step * args.grad_accum})")
-    return train_set, sampler, train_loader, val_loader
+def build_data(run):  # [dp]
+    """One loader, each step's batch --batch-size samples per GPU, in the same global order as the DDP scripts (a
+    one-replica DistributedSampler): every script trains on the same batches."""
+    args = run.args
+    run.train_set, val_set = common.load_data(args, download=True)
+    run.sampler = DistributedSampler(run.train_set, 1, 0, shuffle=True, seed=args.seed, drop_last=True)
+    run.steps_per_epoch = len(run.sampler) // run.global_batch
+    if run.steps_per_epoch == 0:
+        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
+                                f"({run.global_batch})")
+    val_batches = list(BatchSampler(range(len(val_set)), args.batch_size * max(1, len(run.gpus)), False))
+    run.val_loader = common.make_loader(val_set, val_batches, args, run.device)
 
 
-def build_model(args, train_set, device, memory_format, gpus):  # [dp]
-    """The model on the first GPU, and DataParallel around it, which copies it to every GPU at every step. Returns
-    (raw_model, model, forward): forward(x, y) gives the loss sum and the correct count of a batch."""
+def build_model(run):  # [dp]
+    """The model on the first GPU, and DataParallel around it, which copies it to every GPU at every step."""
+    args = run.args
     torch.manual_seed(args.seed)
-    channels, classes = common.channels_and_classes(train_set)
-    raw_model = common.make_model(args.model, channels, classes)
-    if args.pretrained:  # downloaded into the torch hub cache, unless there already
-        common.fetch_pretrained(args.model)
-        raw_model, note = common.load_pretrained(raw_model, args.model, channels, classes)
-        print(note)
-    if args.weights:  # any head size or channel count: what matches by name and shape is loaded
-        raw_model.load_state_dict(common.load_weights(raw_model, args, channels, classes))
-    if args.freeze_backbone:
-        common.freeze_backbone(raw_model, args.model, channels, classes)
-    raw_model.to(device, memory_format=memory_format)
+    run.raw_model = common.make_model(args.model, *common.channels_and_classes(run.train_set))
+    if args.pretrained or args.weights or args.freeze_backbone:
+        run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
+    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
     if args.compile:
-        raw_model.compile()  # in place: parameter names (and checkpoints) keep no _orig_mod. prefix
-    output_device = args.output_device if args.output_device is not None else device.index
-    if args.gather_outputs:  # the classic way: all outputs gathered on output_device, the loss computed there
-        model = nn.DataParallel(raw_model, gpus, output_device)
-
-        def forward(x, y):
-            out = model(x)
-            y = y.to(out.device)
-            return F.cross_entropy(out.float(), y, reduction="sum"), (out.argmax(1) == y).sum()
-    else:  # each replica computes its own loss; only the per-GPU sums are gathered
-        model = nn.DataParallel(ModelWithLoss(raw_model), gpus, output_device)
-
-        def forward(x, y):
-            loss_sum, correct = model(x, y)
-            return loss_sum.sum(), correct.sum()
-    return raw_model, model, forward
+        run.raw_model.compile()  # in place: parameter names (and checkpoints) keep no _orig_mod. prefix
+    # each GPU's replica computes its loss, only the sums are gathered; --gather-outputs: the classic way, all outputs
+    # gathered on --output-device and the loss computed there. On the CPU: the module itself, as DataParallel would
+    model = run.raw_model if args.gather_outputs else ModelWithLoss(run.raw_model)
+    model = nn.DataParallel(model, run.gpus, args.output_device) if run.gpus else model
+    run.model = ModelWithLoss(model) if args.gather_outputs else model
+    run.optimizer, run.scheduler = common.make_optimizer(args, run.raw_model, run.steps_per_epoch)
 
 
-def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, gpus):  # [dp]
-    """A checkpoint of any script of this collection, written with any number of processes. Returns the progress it
-    saved, or None for a fresh start."""
-    ckpt = common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone, global_batch)
-    if ckpt and "sharded" in ckpt:
-        raise common.UsageError(f"{ckpt['sharded']} is a sharded checkpoint: dp_train.py reads last.pt files. "
-                                f"Convert it: python -c \"import common; common.sharded_to_file('{ckpt['sharded']}', "
-                                "'last.pt')\"")
+def resume(run):  # [dp]
+    """A last.pt of any script, written by any number of processes: the progress it saved, or None (a fresh start)."""
+    ckpt = common.find_checkpoint(run.args, run.out_dir, run.raw_model, run.global_batch)
     if ckpt:
         options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
-        set_model_state_dict(raw_model, ckpt["model"], options=options)
-        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
-        scheduler.load_state_dict(ckpt["scheduler"])
-        # dropout and the like draw from the CPU's and each GPU's generators: as they were, to go on as if never stopped
-        common.restore_rng(ckpt, 0, 1, args.seed, [torch.device("cuda", g) for g in gpus])  # [dp]
+        set_model_state_dict(run.raw_model, ckpt["model"], options=options)
+        set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"], options=options)
+        run.scheduler.load_state_dict(ckpt["scheduler"])
+        # dropout and the like draw from the generators: as they were, to go on as if never stopped
+        common.restore_rng(ckpt, 0, 1, run.args.seed, run.device)
     return ckpt
 
 
-def train_step(forward, x, y, optimizer, scheduler, args):
+def train_step(run, x, y):
     """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
     norm before clipping, on the device (no host sync)."""
-    step_loss = torch.zeros((), device=optimizer.param_groups[0]["params"][0].device)  # [dp] x may be on the CPU
+    step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     # [dp] one process: no gradients to synchronize, no no_sync()
-    for xm, ym in zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum)):  # [dp]
-        loss = forward(xm, ym)[0] / len(ym) / args.grad_accum  # [dp] the mean over the whole micro-batch
-        loss.backward()  # [dp] DataParallel adds up the replicas' gradients on the first GPU
+    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [dp]
+        loss = run.model(xm, ym)[0].sum().to(run.device) / len(ym) / accum  # the mean over the whole micro-batch
+        loss.backward()  # DataParallel adds up the replicas' gradients on the first GPU
         step_loss += loss.detach()
-    norm = common.clip_grad_norm(optimizer, args.clip_grad) if args.clip_grad else None  # of the summed gradients
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) if run.args.clip_grad \
+        else None
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
     return step_loss, norm
 
 
-def train_one_epoch(model, forward, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint,
-                    watch):
+def train_one_epoch(run, epoch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
     loss over its steps and the ranks."""
-    common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
-    loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
-    bar = common.progress_bar(progress, True)  # [dp] one process: it shows its progress
-    for x, y in progress.timed(loader):  # counts the time spent waiting for data
-        x = loader.normalize(x.to(device, non_blocking=True))  # [dp] image files come as uint8: made float on GPU 0
-        x = x.contiguous(memory_format=memory_format)  # [dp] DataParallel scatters the batch to the GPUs itself
-        progress.step_done(*train_step(forward, x, y, optimizer, scheduler, args))  # [dp]
-        stopping = watch.step_done(progress.step)  # a SIGUSR1/SIGTERM on any rank, known to all at this step
+    args, progress = run.args, run.progress
+    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+    run.sampler.set_epoch(epoch)
+    if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
+        run.train_set.set_epoch(epoch)
+    batches = list(BatchSampler(run.sampler, run.global_batch, drop_last=True))  # [dp] split over the GPUs later
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], args, run.device)  # resumed: skip
+    run.raw_model.train()
+    bar = common.progress_bar(progress, run.rank == 0)  # rank 0's
+    for x, y in loader:
+        x, y = common.to_device(run.train_set, x, run.device, args), y.to(run.device, non_blocking=True)
+        progress.step_done(*train_step(run, x, y))
         bar.update()
-        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done or stopping:
-            check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
-            bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                            samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
-        if progress.epoch_done:
+        last = progress.epoch_done or progress.step == args.max_steps
+        save_due = bool(args.save_every) and progress.step % args.save_every == 0
+        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
+        stopping = progress.check(args, every_rank=save_due or last)
+        if stopping is not None and progress.step % args.log_every == 0:
+            common.log_line(bar, progress, run.rank == 0, lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
+        if last:
             break
-        if progress.due(args.save_every) or stopping:
-            checkpoint()
+        if save_due or stopping:
+            save(run)
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
             raise common.Stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
-    return mean_over_ranks(progress.loss_sum) / progress.step_in_epoch
+    return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
+
+
+def mean_over_ranks(*sums):  # [dp] one process: nothing to average (named as in the DDP scripts, for comparing)
+    return torch.stack(sums)
 
 
 @torch.no_grad()
-def evaluate(forward, model, loader, device, memory_format):  # [dp]
-    """Loss and accuracy over the whole validation set."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in loader:
-        x = loader.normalize(x.to(device, non_blocking=True))  # [dp]
-        loss_sum, correct = forward(x.contiguous(memory_format=memory_format), y)
-        totals[0] += loss_sum.to(device)
-        totals[1] += correct.to(device)
+def evaluate(run):  # [dp]
+    """Loss and accuracy over the whole validation set, every batch split over the GPUs."""
+    run.raw_model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
+    for x, y in run.val_loader:
+        x, y = common.to_device(run.val_loader.dataset, x, run.device, run.args), y.to(run.device, non_blocking=True)
+        loss_sums, correct = run.model(x, y)  # one of each per GPU
+        totals[0] += loss_sums.sum().to(run.device)
+        totals[1] += correct.sum().to(run.device)
         totals[2] += len(y)
     loss_sum, correct, count = totals.tolist()
     return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
 
 
-def check_finite(first_bad):  # [dp]
-    if first_bad.item() != common.NEVER:
-        raise common.NonFinite(f"loss is NaN/inf at step {first_bad.item() + 1}: stopped, the last checkpoint is older")
-
-
-def mean_over_ranks(t):  # [dp] one process: nothing to reduce (the same name as in the DDP scripts, for comparing)
-    return t.item()
-
-
-def save(out_dir, raw_model, optimizer, scheduler, progress, args, gpus):  # [dp]
-    """One process writes the whole training state:
-    plain names and whole tensors, loadable by any script, any number of processes, with or without a GPU."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
-    model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
-    state = progress.state(mean_over_ranks(progress.loss_sum))
-    rngs = [common.rng_state([torch.device("cuda", g) for g in gpus])]  # [dp] one process, its GPUs' generators too
-    # [dp] one process: it writes
-    common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),  # [dp]
-                        **state, "rng": rngs, "args": vars(args), "world_size": 1}, os.path.join(out_dir, "last.pt"))
+def save(run):  # [dp]
+    """The whole training state to last.pt, as the DDP scripts write it (world size 1): plain names, whole tensors,
+    the random generators. It loads in any script, at any number of processes, with or without a GPU."""
+    progress, options = run.progress, StateDictOptions(full_state_dict=True, cpu_offload=True)  # on the CPU
+    model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
+    common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
+                        **progress.state(progress.loss_sum.item(), progress.norm_sum.item()), "args": vars(run.args),
+                        "rng": [common.rng_state(run.device)], "world_size": 1}, os.path.join(run.out_dir, "last.pt"))
 
 
 def main(args):
-    common.validate(args)
-    gpus, device = setup_devices(args)  # [dp]
-    world_size, master = 1, True  # [dp] one process: DataParallel's GPUs are not ranks
-    watch = common.Watch(None, 0, args.step_timeout)  # [dp] SIGUSR1 (time limit near), SIGTERM: save, then stop
-    out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
-    if args.ckpt_format == "dcp":  # [dp] one process holds everything: nothing to shard
-        raise common.UsageError("--ckpt-format dcp is for the multi-process scripts: dp_train.py writes last.pt")
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    train_set, sampler, train_loader, val_loader = build_data(args, gpus, device)  # [dp]
-    raw_model, model, forward = build_model(args, train_set, device, memory_format, gpus)  # [dp]
-    optimizer, scheduler = common.make_optimizer(args, raw_model, len(train_loader))
-    global_batch = args.batch_size * args.grad_accum * max(1, len(gpus))  # [dp]
-    # one process claims --out-dir (no other live run, no last.pt replaced unasked), held until it ends
-    out_lock = common.claim_out_dir(out_dir, args)  # noqa: F841  [dp]
-    saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, gpus)  # [dp]
-    progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
-    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args, gpus)  # [dp]
-    if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
+    run = setup_devices(args)  # [dp]
+    master = run.rank == 0  # one process: it prints and writes files
+    run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    run.global_batch = args.batch_size * args.grad_accum * max(1, len(run.gpus))  # [dp] --batch-size: per GPU
+    build_data(run)
+    build_model(run)
+    saved = resume(run)
+    run.progress = progress = common.Progress(run.steps_per_epoch, run.global_batch, run.device, saved)
+    if progress.step >= (args.max_steps or float("inf")):  # --max-steps is a budget: a resume may find it spent
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
         return
-    writer = common.start_output(out_dir, progress, args.tensorboard) if master else None
+    writer = common.start_output(run.out_dir, progress, args.tensorboard) if master else None
     if master:
-        where = f"GPUs {gpus}" if gpus else "no GPU, training on the CPU (DataParallel simply calls the model)"  # [dp]
-        print(f"dp: {where}, global batch {global_batch}"  # [dp]
-              + (f", resuming at step {progress.step}" if progress.step else ""))
-
-    for epoch in range(progress.epoch, args.epochs):
-        # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
-        sampler.set_epoch(epoch)
-        progress.start_epoch(epoch)
-        train_loss = train_one_epoch(model, forward, train_loader, optimizer, scheduler, progress, args,  # [dp]
-                                     device, memory_format, checkpoint, watch)
-        # [dp] no BatchNorm statistics to broadcast: one process holds the only copy of the model
-        t1 = time.time()
-        val = evaluate(forward, model, val_loader, device, memory_format)  # [dp] on every GPU
-        if master:
-            row = {"train_loss": train_loss, **val, "lr": scheduler.get_last_lr()[0], "eval_time_s": time.time() - t1}
-            peak = [common.peak_memory_mb(torch.device("cuda", g)) for g in gpus]  # [dp] every GPU's
-            common.log_epoch(out_dir, writer, progress, {**row, "world_size": world_size, "gpus": gpus,  # [dp]
-                                                         "peak_mem_mb": peak or common.peak_memory_mb(device)})
-        checkpoint()
-        if progress.step == args.max_steps:
-            break
-    # [dp] one process writes last.pt: no sharded checkpoint in the background to wait for
+        print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, global batch "  # [dp]
+              f"{run.global_batch}" + (f", resuming at step {progress.step}" if progress.step else ""))
+    with common.hangs_named(run.store, run.rank, run.world_size):  # a rank that stops answering: named
+        for epoch in range(progress.epoch, args.epochs):
+            progress.start_epoch(epoch)
+            train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
+            # [dp] one process holds the only copy of the model: no BatchNorm statistics to broadcast
+            t1 = time.time()
+            val = evaluate(run)
+            if master:
+                row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "eval_time_s":
+                       time.time() - t1, "world_size": run.world_size, "gpus": run.gpus,  # [dp]
+                       "grad_norm": grad_norm if args.clip_grad else None}
+                common.log_epoch(run.out_dir, writer, progress, row)
+            save(run)
+            if progress.step == args.max_steps:
+                break
 
 
-if __name__ == "__main__":  # [dp] one process: no launcher, no process group
+if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.add_argument("--gpus", help="comma-separated GPU numbers to use, e.g. 0,1, counted among the visible ones "
-                        "(CUDA_VISIBLE_DEVICES); default: all visible")
-    parser.add_argument("--output-device", type=int,
-                        help="GPU that receives the gathered outputs (default: the first of --gpus)")
-    parser.add_argument("--gather-outputs", action="store_true",
-                        help="the classic way: gather all outputs on one GPU and compute the loss there (more memory "
-                        "on it)")
+    parser.add_argument("--gpus", help="GPU numbers among the visible ones, e.g. 0,1; if not given, all")  # [dp]
+    parser.add_argument("--output-device", type=int, help="the GPU that gathers (if not given, the first)")  # [dp]
+    parser.add_argument("--gather-outputs", action="store_true",  # [dp]
+                        help="the classic way: every output gathered on one GPU, the loss computed there")
+    # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
     args = parser.parse_args()
-    # SIGTERM before main() hands it to common.Watch (which saves, then stops): unwind through `finally`
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # and SIGUSR1, which would kill it: there is nothing to save yet
-    try:
-        main(args)
-    except (common.UsageError, common.NonFinite, common.Stopped) as e:
-        # leaving anyway: a launcher's SIGTERM (torchrun's, once a first copy has exited) must not cut this short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if common.launcher_rank() == 0:  # started by mistake as several copies: one line, once
-            print(e if isinstance(e, common.Stopped) else f"error: {e}", file=sys.stderr)
-        else:
-            time.sleep(0.5)  # and the first copy says why before the others exit
-        sys.exit(common.exit_code(e))  # the table in docs/failures.md
+    if common.one_of_several():  # [dp] started as several copies by mistake: one line, by the first (Parser.error)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's, sent once a copy has exited: the first prints
+        time.sleep(0.5)  # before any copy exits
+        parser.error(f"dp_train.py is one process that drives every GPU: start it with python, not "
+                     f"{common.one_of_several()} (one process per GPU: ddp_launch_train.py)")
+    if args.ckpt_format != "file" or args.async_save:
+        parser.error("--ckpt-format dcp and --async-save are fsdp_train.py's: dp_train.py, one process, writes one "
+                     "last.pt")  # [dp]
+    common.run(main, args, 0)  # [dp] one process

@@ -7,20 +7,18 @@ that tells each process who it is.
     python fsdp_train.py                                                # one process
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; srun sets SLURM_PROCID, SLURM_STEP_NUM_TASKS and
-SLURM_LOCALID. Each process trains on its shard of every global batch, as with DDP, but holds only 1/N of the
-parameters, gradients and optimizer state: each block's parameters are all-gathered just before its forward (and again
-before its backward), its gradients reduce-scattered to the ranks that own them, and each rank steps the optimizer on
-its own shard.
+SLURM_LOCALID. Each process trains on its part of every global batch, as with DDP, but holds 1/N of the parameters,
+gradients and optimizer state: a block's parameters are all-gathered just before its forward (and backward), its
+gradients reduce-scattered to the ranks that own them, and each rank steps its own shard (docs/fsdp.md).
 """
 import argparse
 import datetime
-import functools
 import math
 import os
 import re
-import signal
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -30,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import common
@@ -40,11 +39,10 @@ def launcher_env():
     env = os.environ
     if "RANK" in env:  # torchrun, also torchrun inside an srun step
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", 1))
-    if "SLURM_STEP_NUM_TASKS" in env:  # a task of srun. (sbatch's batch script also has SLURM_PROCID and
-        # SLURM_NTASKS, but it is one process: waiting there for the other ranks would wait forever)
+    if "SLURM_STEP_NUM_TASKS" in env:  # a task of srun (sbatch's batch script is one process: no SLURM_STEP_*)
         counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # e.g. "8(x2),4"
         tasks_per_node = [int(n) for count, times in counts for n in [count] * int(times or 1)]
-        first_node = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
+        first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
         env.setdefault("MASTER_ADDR", first_node.replace("[", ""))
         env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # the same on every node, per job
         return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_LOCALID"]),
@@ -53,370 +51,347 @@ def launcher_env():
 
 
 def setup_distributed(args):
-    """This process's rank (from the launcher's environment variables) and device, then the process group: every
-    rank joins it before anything else. Returns (rank, world_size, local_rank, device)."""
+    """This process's rank and device, then the process group, which every rank joins before anything else. The
+    store it meets on is ours too: a rank that stops answering is named through it (common.hangs_named)."""
     rank, world_size, local_rank, local_world_size = launcher_env()
     use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if backend == "nccl" and not use_cuda:
-        raise common.UsageError("--backend nccl needs CUDA GPUs; use gloo on CPU")
-    if backend == "nccl" and local_world_size > torch.cuda.device_count():
-        raise common.UsageError(f"{local_world_size} processes on this machine but {torch.cuda.device_count()} GPUs: "
-                                "NCCL needs one GPU per process (gloo can share one)")
-    if args.sync_bn:  # [fsdp]
-        raise common.UsageError("--sync-bn is not supported with FSDP here (fully_shard does not handle "
-                                "SyncBatchNorm): use ddp_launch_train.py --sync-bn, or a model with "
-                                "GroupNorm/LayerNorm")
-    if args.precision == "fp16":  # [fsdp]
-        raise common.UsageError("--precision fp16 is not supported: use bf16, which has fp32's range and needs no "
-                                "GradScaler (fp16 under FSDP would need a sharded grad scaler)")
-    if args.precision not in ("fp32", "bf16"):  # [fsdp]
-        raise common.UsageError(f"unknown --precision {args.precision!r}: choose fp32 or bf16")
-    if args.replicate < 1 or world_size % args.replicate:  # [fsdp]
-        raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into "
-                                "equal groups: give a divisor, such as the number of machines")
+    # [fsdp] --sync-bn is refused on any device, with the other flags FSDP here does not take
+    refuse(args, world_size)  # [fsdp]
+    if backend == "nccl" and (not use_cuda or local_world_size > torch.cuda.device_count()):
+        raise common.UsageError(f"--backend nccl needs one GPU per process: {local_world_size} processes on this "
+                                f"machine, {torch.cuda.device_count() if use_cuda else 0} GPUs (gloo can share one)")
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    common.set_cpu_threads(local_world_size)
-    common.set_fast_math(device, args.deterministic)
-    if backend == "nccl":  # a timeout then dumps every rank's last collectives (common.nccl_flight_recorder)
-        common.nccl_flight_recorder()
-    timeout = datetime.timedelta(minutes=10)  # a dead peer ends the run with an error instead of a hang
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun: meet on its store, under a prefix fresh for every restart attempt (see common.torchrun_store)
-        store = common.torchrun_store(rank, world_size, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    elif world_size == 1 and "MASTER_ADDR" not in os.environ:  # a lone process needs no network
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:  # srun, or any launcher that sets MASTER_ADDR/MASTER_PORT
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    return rank, world_size, local_rank, device
+    common.set_threads_and_math(local_world_size, args.deterministic)
+    timeout, env = datetime.timedelta(minutes=10), os.environ  # start-up: data, downloads; then --step-timeout
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: its agent holds the store
+    if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # restarts: a fresh key prefix per attempt
+        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(rank, world_size, timeout)
+    elif "MASTER_ADDR" in env:
+        if env["MASTER_PORT"] == "0":
+            raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): give a free port, or --standalone")
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0 and not agent,
+                              timeout=timeout)
+    else:  # a lone process needs no network
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                                 store=store if world_size > 1 else None)
 
 
-def build_data(args, rank, world_size, device):
-    """Every rank draws the same global order and trains on its own part of each global batch; every validation
-    sample is on exactly one rank. Returns (train_set, sampler, train_loader, val_loader)."""
+def refuse(args, world_size):
+    """The flags fsdp_train.py refuses: a UsageError, which common.run prints once (before the process group)."""
+    if args.sync_bn:
+        raise common.UsageError("--sync-bn is not supported with FSDP (fully_shard does not handle SyncBatchNorm): "
+                                "use ddp_launch_train.py --sync-bn, or a model with GroupNorm/LayerNorm")
+    if args.precision == "fp16":
+        raise common.UsageError("--precision fp16 is not offered: use bf16, which has fp32's range and needs no "
+                                "GradScaler (fp16 under FSDP would need a sharded grad scaler)")
+    if world_size % args.replicate:
+        raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into equal "
+                                "groups: give a divisor, such as the number of machines")
+    if args.async_save and args.ckpt_format != "dcp":
+        raise common.UsageError("--async-save needs --ckpt-format dcp: it writes sharded checkpoints in the background")
+
+
+def build_data(run):
+    """Every rank draws the same global order and trains on its own part of each global batch (a new order every
+    epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank, once."""
+    args = run.args
     # rank 0 downloads and builds first, alone, so that N processes never write the same files at once; then the others
-    train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), rank) or common.load_data(args)
+    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), run.rank) or \
+        common.load_data(args)
     # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    train_loader = common.make_loader(train_set, sampler, args.batch_size * args.grad_accum, True, args.workers, device)
-    # validation: every sample exactly once over all ranks (no padding duplicates, unlike DistributedSampler's)
-    val_shard = range(rank, len(val_set), world_size)
-    val_loader = common.make_loader(val_set, val_shard, args.batch_size, False, args.workers, device)
-    if len(train_loader) == 0:
-        raise common.UsageError(f"{len(train_set)} training samples are less than one global batch "
-                                f"({args.batch_size * args.grad_accum * world_size})")
-    return train_set, sampler, train_loader, val_loader
+    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True, seed=args.seed,
+                                     drop_last=True)
+    run.steps_per_epoch = len(run.sampler) // (args.batch_size * args.grad_accum)
+    if run.steps_per_epoch == 0:
+        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
+                                f"({args.batch_size * args.grad_accum * run.world_size})")
+    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size), args.batch_size, False))
+    run.val_loader = common.make_loader(val_set, val_batches, args, run.device)  # no padding duplicates
 
 
-def build_model(args, train_set, device, memory_format, rank, local_rank):
-    """The same model on every rank, then sharded in place: each rank keeps its 1/N of every parameter. Weights are
-    read on rank 0 only and sent to every shard. Returns (raw_model, model): here the same sharded module."""
+def build_model(run):
+    """The same model on every rank, then sharded in place: each rank keeps its 1/N of every parameter."""
+    args = run.args
     torch.manual_seed(args.seed)
-    channels, classes = common.channels_and_classes(train_set)
-    raw_model = common.make_model(args.model, channels, classes)
-    if args.pretrained:  # one process per machine downloads them into the torch hub cache, then every rank reads them
-        common.on_rank0(lambda: common.fetch_pretrained(args.model), local_rank)
-        raw_model, note = common.load_pretrained(raw_model, args.model, channels, classes)
-        if rank == 0:
-            print(note)
-    if args.weights:  # any head size or channel count: what matches by name and shape is loaded
-        weights = common.on_rank0(lambda: common.load_weights(raw_model, args, channels, classes), rank)  # [fsdp]
-    if args.freeze_backbone:  # before sharding: the sharded parameters keep requires_grad
-        common.freeze_backbone(raw_model, args.model, channels, classes)
-    raw_model.to(device, memory_format=memory_format)
-    # [fsdp] the ranks in a mesh: 1-D, every rank holds 1/N; HSDP (--replicate R), R groups of N/R ranks, each group
-    # sharding one whole copy (its all-gathers stay inside a group: a machine's fast links), gradients then
-    # all-reduced across the copies
-    replicas, shards = args.replicate, dist.get_world_size() // args.replicate  # [fsdp]
-    mesh = (init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))  # [fsdp]
-            if replicas > 1 else init_device_mesh(device.type, (shards,)))
-    shard(raw_model, mesh, args.precision, args.reshard_after_forward)  # [fsdp]
-    if args.weights:  # [fsdp] FSDP2 does not broadcast at wrapping: set_model_state_dict sends them to every shard
-        set_model_state_dict(raw_model, weights if rank == 0 else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    model = raw_model  # [fsdp] fully_shard works in place
+    run.raw_model = common.make_model(args.model, *common.channels_and_classes(run.train_set))
+    if args.pretrained or args.weights or args.freeze_backbone:
+        run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
+    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    # [fsdp] no SyncBatchNorm (setup_distributed refuses --sync-bn)
+    if args.weights:  # [fsdp] read on rank 0 only, and FSDP2 does not broadcast at wrapping: sent to every rank here
+        for t in run.raw_model.state_dict().values():
+            dist.broadcast(t, 0)
+    shard(run.raw_model, make_mesh(run), args.precision, args.reshard_after_forward)  # [fsdp]
+    run.model = run.raw_model  # [fsdp] fully_shard works in place
     if args.compile:
-        model = torch.compile(model)
-    return raw_model, model
+        run.model = torch.compile(run.model)
+    run.optimizer, run.scheduler = common.make_optimizer(args, run.raw_model, run.steps_per_epoch)
 
 
-def resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank, device):
-    """Rank 0 picks and reads the checkpoint; the others receive it (no shared filesystem needed). Returns the
+def make_mesh(run):
+    """1-D: every rank holds 1/N. HSDP (--replicate R): R copies, each sharded over N/R ranks (its all-gathers stay
+    among them: one machine's fast links), the gradients then all-reduced across the copies."""
+    r = run.args.replicate
+    return init_device_mesh(run.device.type, (r, run.world_size // r), mesh_dim_names=("replicate", "shard")) \
+        if r > 1 else init_device_mesh(run.device.type, (run.world_size,))
+
+
+def shard(model, mesh, precision, reshard_after_forward):
+    """fully_shard bottom-up: each top-level child that holds parameters is a group of its own (cnn: conv1, conv2,
+    fc1, fc2; resnet: conv1, layer1..layer4, fc), all-gathered in one collective just before it runs; then the root,
+    whose group takes what is left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32;
+    but each BatchNorm is a group of its own that computes in fp32 (input cast up, weights fp32 like its running
+    statistics) and hands bf16 on. (torch 2.15's param_dtype_override_fn would do that without a group each; it does
+    not exist on 2.11-2.14.)"""
+    kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), torch.nn.modules.batchnorm._BatchNorm
+    bf16 = torch.bfloat16 if precision == "bf16" else None  # None: computed as they are, in fp32
+    for m in model.modules() if bf16 else ():
+        if isinstance(m, bn):
+            fully_shard(m, **kw, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=bf16))
+    mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32 if bf16 else None)
+    for child in model.children():
+        if next(child.parameters(), None) is not None and not isinstance(child, (bn, torch.nn.LayerNorm,
+                                                                                 torch.nn.GroupNorm)):
+            fully_shard(child, **kw, mp_policy=mp)
+    fully_shard(model, **kw, mp_policy=mp)
+
+
+def find_checkpoint(run):
+    """Rank 0, before anything is written: the checkpoint --resume names, read and checked, or None for a fresh
+    start. Sharded ones (ckpt-<step> folders, --ckpt-format dcp) are train_extras/sharded.py's: --resume auto takes
+    the newest of last.pt and them."""
+    args, out_dir = run.args, run.out_dir
+    folders = os.path.isdir(out_dir) and any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
+    if folders or os.path.isdir(args.resume or ""):
+        return common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").find(run)
+    return common.find_checkpoint(args, out_dir, run.raw_model, run.global_batch)
+
+
+def resume(run):
+    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed). Returns the
     progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(args.resume, out_dir, raw_model, args.freeze_backbone,
-                                                          global_batch), rank)
+    ckpt = common.on_rank0(lambda: find_checkpoint(run), run.rank)  # [fsdp] last.pt, or a ckpt-<step> folder's meta
     meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
-    if meta[0] and "sharded" in meta[0]:  # a ckpt-<step> folder: each rank reads what this run's layout holds
-        common.load_sharded(meta[0]["sharded"], raw_model, optimizer)
-    elif meta[0]:
+    if meta[0] and "sharded" in meta[0]:  # [fsdp] a ckpt-<step> folder: each rank reads its part, in this run's layout
+        common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").load(meta[0], run)
+        return meta[0]
+    if meta[0]:
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(raw_model, ckpt["model"] if rank == 0 else {}, options=options)
-        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"] if rank == 0 else {}, options=options)
-    if meta[0]:
-        scheduler.load_state_dict(meta[0]["scheduler"])
+        set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
+        set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"] if run.rank == 0 else {},
+                                 options=options)
+        run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
-        common.restore_rng(meta[0], rank, dist.get_world_size(), args.seed, [device])
+        common.restore_rng(meta[0], run.rank, run.world_size, run.args.seed, run.device)
     return meta[0]
 
 
-def train_step(model, x, y, optimizer, scheduler, args):
+def train_step(run, x, y):
     """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
     norm before clipping, on the device (no host sync)."""
-    step_loss = torch.zeros((), device=x.device)
-    # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad, where they add up. Skipping that
-    # (set_requires_gradient_sync(False), FSDP's no_sync) would save communication but keep full-size gradients on
-    # every rank, which is what FSDP is here to avoid
-    for xm, ym in zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum)):  # [fsdp]
-        loss = F.cross_entropy(model(xm).float(), ym) / args.grad_accum  # bf16 logits: the loss in fp32
+    step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
+    # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad. FSDP's no_sync (set_requires_
+    # gradient_sync(False)) would keep full-size gradients on every rank instead, which FSDP is here to avoid
+    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [fsdp]
+        loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
-    # gradients exist from backward to zero_grad: what this rank holds of them is measured here
-    train_step.grad_bytes = local_bytes(p.grad for p in model.parameters() if p.grad is not None)  # [fsdp]
-    norm = common.clip_grad_norm(optimizer, args.clip_grad) if args.clip_grad else None  # of the summed gradients
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    # gradients exist from backward to zero_grad: what this rank holds of them is measured here (for metrics.jsonl)
+    run.grad_bytes = local_bytes(p.grad for p in run.raw_model.parameters() if p.grad is not None)  # [fsdp]
+    norm = clip_grad_norm(run.raw_model.parameters(), run.args.clip_grad) if run.args.clip_grad else None  # [fsdp]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
     return step_loss, norm
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, progress, args, device, memory_format, checkpoint, watch):
+def clip_grad_norm(params, max_norm):
+    """The gradients scaled down to a global norm (over all ranks and shards) of at most max_norm; returns the norm
+    before clipping. Each rank's is a DTensor's partial sum: full_tensor() adds it up over the ranks (torch's
+    clip_grad_norm_ returns the partial norm, pytorch/pytorch#170862)."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def train_one_epoch(run, epoch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
     loss over its steps and the ranks."""
-    common.train_mode(model, args.freeze_backbone)  # a frozen backbone's BatchNorm stays in eval mode
-    loader.batches.skip = progress.step_in_epoch  # a resumed epoch skips the batches it had already trained on
-    bar = common.progress_bar(progress, dist.get_rank() == 0)  # rank 0's: a tqdm bar, or plain lines in a log file
-    for x, y in progress.timed(loader):  # counts the time spent waiting for data
-        x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
-        x = loader.normalize(x)  # image files come as uint8, 4x fewer bytes to copy: made float here, on the device
-        progress.step_done(*train_step(model, x, y, optimizer, scheduler, args))
-        stopping = watch.step_done(progress.step)  # a SIGUSR1/SIGTERM on any rank, known to all at this step
+    args, progress = run.args, run.progress
+    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+    run.sampler.set_epoch(epoch)
+    if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
+        run.train_set.set_epoch(epoch)
+    batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], args, run.device)  # resumed: skip
+    run.raw_model.train()
+    bar = common.progress_bar(progress, run.rank == 0)  # rank 0's
+    for x, y in loader:
+        x, y = common.to_device(run.train_set, x, run.device, args), y.to(run.device, non_blocking=True)
+        progress.step_done(*train_step(run, x, y))
         bar.update()
-        if progress.due(args.log_every) or progress.due(args.save_every) or progress.epoch_done or stopping:
-            check_finite(progress.first_bad)  # all ranks agree on it, so all stop together
-            bar.set_postfix(loss=f"{progress.last_loss.item():.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                            samples_per_s=f"{progress.samples_per_s():.0f}", **progress.waiting())
-        if progress.epoch_done:
+        last = progress.epoch_done or progress.step == args.max_steps
+        save_due = bool(args.save_every) and progress.step % args.save_every == 0
+        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
+        stopping = progress.check(args, every_rank=save_due or last)
+        if stopping is not None and progress.step % args.log_every == 0:
+            common.log_line(bar, progress, run.rank == 0, lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
+        if last:
             break
-        if progress.due(args.save_every) or stopping:
-            checkpoint()
+        if save_due or stopping:
+            save(run, blocking=bool(stopping))  # [fsdp] a save on a stop signal is whole before the run ends
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
             raise common.Stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
-    return mean_over_ranks(progress.loss_sum) / progress.step_in_epoch
+    return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
 
 
-def shard(model, mesh, precision, reshard_after_forward):
-    """fully_shard bottom-up: each top-level child that holds parameters becomes a group of its own (cnn: conv1, conv2,
-    fc1, fc2; resnet: conv1, layer1..layer4, fc), whose parameters are all-gathered in one collective just before it
-    runs; then the root, whose group takes what is left.
-
-    bf16: parameters are all-gathered and computed in bfloat16, gradients reduced in fp32. BatchNorm is the exception:
-    each BatchNorm layer is a group of its own that computes in fp32 (its input is cast up, its weights stay fp32 like
-    its running statistics) and hands bf16 on to the next layer. (torch 2.15's param_dtype_override_fn would keep the
-    BatchNorm weights fp32 without a group each; it does not exist on 2.11-2.14.)"""
-    mp = MixedPrecisionPolicy()
-    if precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
-        for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
-    norms = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm, torch.nn.LayerNorm)
-    for child in model.children():
-        if next(child.parameters(), None) is not None and not isinstance(child, norms):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-
-
-def local_bytes(tensors):
-    """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, its gradient or optimizer state)
-    only its local shard."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
-
-
-def held_bytes(model, optimizer, args):
-    """What rank 0 holds between steps, for metrics.jsonl: its shards are the largest (the first ranks get ceil(n/N)
-    rows)."""
-    return {"param_bytes": local_bytes(model.parameters()), "grad_bytes": getattr(train_step, "grad_bytes", None),
-            "optim_bytes": local_bytes(v for state in optimizer.state.values() for v in state.values()
-                                       if torch.is_tensor(v)),
-            "precision": args.precision, "reshard_after_forward": args.reshard_after_forward,
-            "replicate": args.replicate}
-
-
-def check_finite(first_bad):
-    """Every rank learns the first NaN/inf step of any rank: one all-reduce and host sync, every --log-every steps."""
-    bad = first_bad.clone()
-    dist.all_reduce(bad, op=dist.ReduceOp.MIN)
-    if bad.item() != common.NEVER:
-        raise common.NonFinite(f"loss is NaN/inf at step {int(bad.item()) + 1}: stopped, the last checkpoint is older")
-
-
-def mean_over_ranks(t):
-    t = t.clone()
+def mean_over_ranks(*sums):
+    t = torch.stack(sums)
     dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return t / dist.get_world_size()
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, memory_format):
-    """Loss and accuracy over the whole validation set: each rank sums over its shard, then one all-reduce.
-
-    Under FSDP every forward is a collective: each group all-gathers its parameters from all ranks. So every rank
-    must run as many forwards as rank 0, which holds the most samples, or one would wait forever for a peer that has
-    finished. A rank with a batch fewer (or none at all, with fewer samples than ranks) runs the missing forwards on
-    a dummy batch (one real sample) and leaves them out of the sums: each sample still counts exactly once."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)
-        x = loader.normalize(x)
-        out = model(x)
+def evaluate(run):
+    """Loss and accuracy over the whole validation set: each rank sums over its shard, then one all-reduce."""
+    run.raw_model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
+    for x, y in run.val_loader:
+        x, y = common.to_device(run.val_loader.dataset, x, run.device, run.args), y.to(run.device, non_blocking=True)
+        out = run.raw_model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
-    batches = math.ceil(math.ceil(len(loader.dataset) / dist.get_world_size()) / loader.batches.batch_size)  # [fsdp]
-    if len(loader) < batches:  # [fsdp]
-        dummy = next(iter(common.make_loader(loader.dataset, [0], 1, False, 0, device)))[0]
-        dummy = loader.normalize(dummy.to(device, memory_format=memory_format))
-        for _ in range(len(loader), batches):
-            model(dummy)  # joins the other ranks' all-gathers; its output counts nowhere
+    pad_forwards(run)  # [fsdp] as many forwards as rank 0: under FSDP each one is a collective
     dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
 
 
-def save(out_dir, raw_model, optimizer, scheduler, progress, args, sharded):
-    """Every rank joins (the state dicts may gather, the loss is averaged). --ckpt-format file: rank 0 writes the whole
-    training state to last.pt: plain names and whole tensors, loadable by any script, any number of processes, with
-    or without a GPU. dcp: a ckpt-<step> folder of every rank's part (common.ShardedCheckpoints), which any script
-    reads back at any number of processes."""
-    state = progress.state(mean_over_ranks(progress.loss_sum))
-    rngs = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(common.rng_state([progress.device]), rngs)  # every rank's random number generators
-    meta = {"scheduler": scheduler.state_dict(), **state, "rng": rngs, "args": vars(args),
-            "world_size": dist.get_world_size()}
-    if sharded:  # --ckpt-format dcp: each rank writes the tensors it holds, nothing is gathered
-        sharded.save(progress.step, *get_state_dict(raw_model, optimizer), meta)
-        return
+def pad_forwards(run):
+    """Every forward all-gathers from every rank: a rank with a batch fewer than rank 0 (or none, with fewer samples
+    than ranks) runs the missing forwards on one real sample, counted nowhere, or rank 0 would wait forever."""
+    ds = run.val_loader.dataset
+    batches = math.ceil(math.ceil(len(ds) / run.world_size) / run.args.batch_size)  # rank 0's
+    for _ in range(len(run.val_loader), batches):
+        run.raw_model(common.to_device(ds, ds[0][0][None], run.device, run.args))  # its output counts nowhere
+
+
+def save(run, blocking=False):
+    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole training state to
+    last.pt: plain names, whole tensors, every rank's random generators. It loads in any script, at any number of
+    processes, with or without a GPU, and into a plain model with weights_only=True. --ckpt-format dcp: a ckpt-<step>
+    folder of each rank's shards instead (train_extras/sharded.py; --async-save: in the background unless blocking)."""
+    progress = run.progress
+    sums = mean_over_ranks(progress.loss_sum, progress.norm_sum).tolist()
+    rngs = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(common.rng_state(run.device), rngs)
+    if run.sharded:  # [fsdp] --ckpt-format dcp: each rank writes the tensors it holds, nothing is gathered
+        return run.sharded.save(run, sums, rngs, blocking)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
-    model_state, optim_state = get_state_dict(raw_model, optimizer, options=options)
-    if dist.get_rank() == 0:
-        common.save_atomic({"model": model_state, "optimizer": optim_state, **meta}, os.path.join(out_dir, "last.pt"))
+    model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
+    if run.rank == 0:
+        common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
+                            **progress.state(*sums), "rng": rngs, "args": vars(run.args),
+                            "world_size": run.world_size}, os.path.join(run.out_dir, "last.pt"))
+
+
+def local_bytes(tensors):
+    """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, gradient, moment) its shard."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+
+
+def held_bytes(run):
+    """What rank 0 holds, for metrics.jsonl (its shards are the largest); the gradients as train_step measured them."""
+    args, optim_state = run.args, run.optimizer.state.values()
+    return {"param_bytes": local_bytes(run.raw_model.parameters()), "grad_bytes": run.grad_bytes,
+            "optim_bytes": local_bytes(v for s in optim_state for v in s.values() if torch.is_tensor(v)),
+            "precision": args.precision, "reshard_after_forward": args.reshard_after_forward,
+            "replicate": args.replicate}
+
+
+def describe(run):
+    """Rank 0's first line: the processes, and how the model is sharded."""
+    args, hsdp = run.args, f"HSDP: {run.args.replicate} copies of {run.world_size // run.args.replicate} shards, "
+    return (f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, global batch "
+            f"{run.global_batch}, {args.precision}, {'' if args.reshard_after_forward else 'no '}reshard after "
+            f"forward, {hsdp if args.replicate > 1 else ''}{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB "
+            "of parameters per rank")
 
 
 def main(args):
-    common.validate(args)
-    rank, world_size, local_rank, device = setup_distributed(args)
-    master = rank == 0  # only rank 0 prints and writes files
-    # SIGUSR1 (the time limit is near) or SIGTERM (preemption): noted; every rank then saves at the same step, stops.
-    # Agreed on over a gloo group of its own, which leaves the GPU alone (and takes CPU tensors, unlike NCCL)
-    watch = common.Watch(dist.new_group(backend="gloo") if world_size > 1 else None, rank, args.step_timeout)
-    out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
-    # --ckpt-format dcp: sharded checkpoints, each rank writing its own part (--async-save: in the background)
-    sharded = common.ShardedCheckpoints(out_dir, args.async_save, watch) if args.ckpt_format == "dcp" else None
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    train_set, sampler, train_loader, val_loader = build_data(args, rank, world_size, device)
-    raw_model, model = build_model(args, train_set, device, memory_format, rank, local_rank)
-    optimizer, scheduler = common.make_optimizer(args, raw_model, len(train_loader))
-    global_batch = args.batch_size * args.grad_accum * world_size
-    # rank 0 claims --out-dir (no other live run, no last.pt replaced unasked), held until this process ends
-    out_lock = common.on_rank0(lambda: common.claim_out_dir(out_dir, args), rank)  # noqa: F841
-    saved = resume(args, raw_model, optimizer, scheduler, out_dir, global_batch, rank, device)
-    progress = common.Progress(len(train_loader), global_batch, args.max_steps, device, saved)
-    checkpoint = functools.partial(save, out_dir, raw_model, optimizer, scheduler, progress, args, sharded)
-    if progress.step >= (args.max_steps or math.inf):  # --max-steps is a budget: a resume may find it spent
+    run = setup_distributed(args)
+    master = run.rank == 0  # only rank 0 prints and writes files
+    run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    run.global_batch = args.batch_size * args.grad_accum * run.world_size
+    run.sharded = (common.optional("sharded", "--ckpt-format dcp").Saver(run)  # [fsdp] each rank writes its part
+                   if args.ckpt_format == "dcp" else None)
+    build_data(run)
+    build_model(run)
+    saved = resume(run)
+    run.progress = progress = common.Progress(run.steps_per_epoch, run.global_batch, run.device, saved)
+    if progress.step >= (args.max_steps or float("inf")):  # --max-steps is a budget: a resume may find it spent
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
         return
-    writer = common.start_output(out_dir, progress, args.tensorboard) if master else None
+    writer = common.start_output(run.out_dir, progress, args.tensorboard) if master else None
     if master:
-        print(f"fsdp: {world_size} processes, backend {dist.get_backend()}, "  # [fsdp]
-              f"device {device.type}, global batch {global_batch}, {args.precision}, "
-              f"{'' if args.reshard_after_forward else 'no '}reshard after forward, "
-              + (f"HSDP: {args.replicate} copies of {world_size // args.replicate} shards, " if args.replicate > 1
-                 else "")
-              + f"{local_bytes(raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
-              + (f", resuming at step {progress.step}" if progress.step else ""))
-
-    for epoch in range(progress.epoch, args.epochs):
-        # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
-        sampler.set_epoch(epoch)
-        progress.start_epoch(epoch)
-        train_loss = train_one_epoch(model, train_loader, optimizer, scheduler, progress, args, device, memory_format,
-                                     checkpoint, watch)
-        # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones).
-        # FSDP2 shards parameters only: buffers stay whole on every rank and are never synchronized (DDP broadcasts
-        # rank 0's at every forward)
-        for buffer in raw_model.buffers():
-            dist.broadcast(buffer, src=0)
-        t1 = time.time()
-        val = evaluate(raw_model, val_loader, device, memory_format)
-        if master:
-            row = {"train_loss": train_loss, **val, "lr": scheduler.get_last_lr()[0], "eval_time_s": time.time() - t1}
-            common.log_epoch(out_dir, writer, progress, {**row, "world_size": world_size,
-                                                         "peak_mem_mb": common.peak_memory_mb(device),
-                                                         **held_bytes(raw_model, optimizer, args)})  # [fsdp]
-        checkpoint()
-        if progress.step == args.max_steps:
-            break
-    if sharded:  # the last save, if written in the background, finished
-        sharded.wait()
-    # no rank tears its process group down while a peer may still be finishing the last all-gathers (of the save)
-    dist.barrier()  # [fsdp]
+        print(describe(run) + (f", resuming at step {progress.step}" if progress.step else ""))  # [fsdp]
+    with common.hangs_named(run.store, run.rank, run.world_size):  # a rank that stops answering: named
+        for epoch in range(progress.epoch, args.epochs):
+            progress.start_epoch(epoch)
+            train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
+            # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
+            for buffer in run.raw_model.buffers():
+                dist.broadcast(buffer, src=0)
+            t1 = time.time()
+            val = evaluate(run)
+            if master:
+                row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "eval_time_s":
+                       time.time() - t1, "world_size": run.world_size, "grad_norm": grad_norm if args.clip_grad else None}
+                row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes and the FSDP flags
+                common.log_epoch(run.out_dir, writer, progress, row)
+            save(run)
+            if progress.step == args.max_steps:
+                break
+        if run.sharded:  # [fsdp] the last save, if written in the background, complete
+            run.sharded.wait()
+        dist.barrier()  # [fsdp] no rank tears its process group down while a peer may still be in the last save
 
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
-    parser.add_argument("--sync-bn", action="store_true",  # [fsdp]
-                        help="not supported with FSDP: use ddp_launch_train.py --sync-bn")
-    parser.add_argument("--precision", default="fp32",  # [fsdp]
-                        help="fp32, or bf16: parameters all-gathered and computed in bfloat16, gradients reduced and "
-                        "the optimizer stepped in fp32 (no GradScaler needed; fp16 is not offered)")
+    parser.add_argument("--sync-bn", action="store_true", help="not with FSDP: use ddp_launch_train.py")  # [fsdp]
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",  # [fsdp]
+                        help="bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,  # [fsdp]
-                        help="free each block's gathered parameters after its forward and all-gather them again for "
-                        "its backward (default: least memory, ZeRO-3). --no-reshard-after-forward keeps them from "
-                        "forward to backward (ZeRO-2-like): one all-gather fewer per block and step, for when the full "
-                        "parameters fit next to the activations and communication is the bottleneck")
-    parser.add_argument("--replicate", type=int, default=1, metavar="R",  # [fsdp]
-                        help="HSDP: R copies of the model, each sharded over world size / R ranks (e.g. R = the "
-                        "number of machines: all-gathers stay inside a machine, only gradients cross between them). "
-                        "Default 1: every rank holds 1/world size")
+                        help="free each block's gathered parameters after its forward, gather again for its backward "
+                        "(least memory, ZeRO-3); --no-...: kept until the backward, one all-gather fewer (ZeRO-2-like)")
+    parser.add_argument("--replicate", type=common.number(int, 1), default=1, metavar="R",  # [fsdp]
+                        help="HSDP: R copies of the model, each sharded over N/R ranks (e.g. R = the machines)")
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    # SIGTERM before main() hands it to common.Watch (which saves, then stops): unwind through `finally`
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # and SIGUSR1, which would kill it: there is nothing to save yet
-    try:
-        with common.hangs_named():  # a collective timed out: one line, naming the ranks that never arrived
-            main(args)
-    except (common.UsageError, common.NonFinite, common.Stopped, common.Hung) as e:
-        # leaving anyway: torchrun's SIGTERM, sent once a first rank has exited, must not cut this short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if common.prints(e, launcher_env()[0]):  # every rank raises the others alike: once
-            print(e if isinstance(e, common.Stopped) else f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(0.5)  # and rank 0 says why before the others exit
-        sys.exit(common.exit_code(e))  # the table in docs/failures.md
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # [fsdp] A finished run leaves without the interpreter's teardown (errors left above, like in the other scripts).
-    # DTensor's caches keep the device mesh, and through it the process group and gloo's worker threads, alive after
-    # destroy_process_group; a worker still freeing the tensors of a finished collective while Python shuts down
-    # aborts the process ("terminate called without an active exception", exit code -6: 1 in about 50 two-process
-    # CPU runs). Every file is written and closed by now. Upstream: pytorch/pytorch#190489 (open; an atexit fix,
-    # #179291, was abandoned); remove this once a finished run exits 0 in 100 of 100 runs without it.
+    # [fsdp] --ckpt-format dcp and --async-save are this script's (refuse(): the flags it does refuse)
+    common.run(main, args, launcher_env()[0])
+    # [fsdp] A finished run leaves without the interpreter's teardown (errors left in common.run): DTensor's caches
+    # keep the mesh, its process group and gloo's worker threads alive after destroy_process_group, and a worker still
+    # freeing a finished collective's tensors as Python shuts down aborts the process (exit -6, 1 in about 50
+    # two-process CPU runs). Every file is written and closed by now. Upstream: pytorch/pytorch#190489 (open; an
+    # atexit fix, #179291, was abandoned); remove this once a finished run exits 0 in 100 of 100 runs without it.
     sys.stdout.flush()  # [fsdp]
     sys.stderr.flush()  # [fsdp]
     os._exit(0)  # [fsdp]

@@ -30,9 +30,12 @@ with as many repeats as scripts every script runs once in every position):
               loop it wraps, so a median above 1.05 means the reference is not doing the same work. The bare row's
               range is the reference against itself (each bare run between two others over their mean): the
               spread that comes from the machine, not from any script
-  start-up s  from launching the process to the end of its first optimizer step (imports, data, model, first step)
+  start-up s  from launching the process to the end of its first optimizer step (imports, data, model, first step;
+              the last process's, of several), seen by an optimizer hook that a sitecustomize.py on PYTHONPATH
+              installs in every process of the run
   eval s      the scripts' validation pass (as many samples as were trained on); the bare loop has none
-  peak MB     rank 0: GPU memory allocated (CUDA), or the process's max resident set size (CPU)
+  peak MB     rank 0's GPU memory allocated (CUDA), or on the CPU the largest process's peak resident set size
+              (from wait4: a launcher's workers included)
 
 Threads: every 1-process run, the bare loop included, gets this process's torch.get_num_threads() (OMP_NUM_THREADS
 in its environment); each of 2 processes gets half. On a machine shared with other jobs, OMP_NUM_THREADS=1
@@ -72,13 +75,12 @@ def bare_loop(a):
     until 2026-11) keeps mmapping and unmapping every step's activations, ~6,000 page faults per step for the cnn
     at batch 64, against ~50 in the scripts, and ran ~1.2x slower than the scripts it was meant to bound."""
     device = torch.device(a.device)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    common.set_fast_math(device, deterministic=False)  # the scripts' TF32 and cuDNN autotuning settings
+    common.set_threads_and_math(1, deterministic=False)  # the scripts' threads, TF32 and cuDNN autotuning settings
     args = common.get_parser("").parse_args(script_flags(a) + ["--batch-size", str(a.batch_size)])
     fmt = torch.channels_last if a.channels_last else torch.contiguous_format
     train_set, _ = common.load_data(args)
-    if device.type == "cuda":
-        train_set.x, train_set.y = train_set.x.to(device), train_set.y.to(device)  # as the scripts' loader does
+    if device.type == "cuda":  # as the scripts' loader does (common.make_loader): on the GPU, copied once
+        train_set.tensors = tuple(t.to(device) for t in train_set.tensors)
     torch.manual_seed(args.seed)
     model = common.make_model(a.model, *common.channels_and_classes(train_set)).to(device, memory_format=fmt)
     if a.compile:
@@ -88,7 +90,7 @@ def bare_loop(a):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
     model.train()
     for step in range(a.steps):
-        x, y = train_set[(0, order[step])]
+        x, y = train_set[order[step].to(train_set.tensors[0].device)]
         x = x.contiguous(memory_format=fmt)
         with autocast:
             loss = F.cross_entropy(model(x), y)
@@ -98,10 +100,11 @@ def bare_loop(a):
         optimizer.zero_grad(set_to_none=True)
         if step == 0:  # not timed: the first step, as in the scripts
             sync(device)
-            t0 = time.time()
+            t0 = time.perf_counter()
     sync(device)
-    row = {"samples_per_s": (a.steps - 1) * a.batch_size / (time.time() - t0), "first_step_time": t0,
-           "eval_time_s": None, "world_size": 1, "peak_mem_mb": common.peak_memory_mb(device)}
+    row = {"samples_per_s": (a.steps - 1) * a.batch_size / (time.perf_counter() - t0), "eval_time_s": None,
+           "world_size": 1,
+           "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "metrics.jsonl"), "w") as f:  # the scripts' format, one row
         f.write(json.dumps(row) + "\n")
@@ -151,28 +154,73 @@ def configs(a, threads):
     return rows
 
 
+# Imported first by every Python process of a run (sitecustomize.py on PYTHONPATH, where BENCH_FIRST_STEP names a
+# folder; not by mp.spawn's resource tracker, which trains nothing): the time at the end of the process's first
+# optimizer step (CUDA-synchronized), written to BENCH_FIRST_STEP/<pid>. The scripts' metrics do not keep it; it is
+# the end of start-up, for the bare loop and every script alike, measured by torch's own optimizer hook.
+FIRST_STEP = """
+import os, sys
+if os.environ.get("BENCH_FIRST_STEP") and "multiprocessing.resource_tracker" not in " ".join(sys.orig_argv):
+    import time
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def _first_step(optimizer, args, kwargs, _done=[]):
+        if not _done:
+            _done.append(True)
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            path = os.path.join(os.environ["BENCH_FIRST_STEP"], str(os.getpid()))
+            with open(path + ".tmp", "w") as f:
+                f.write(repr(time.time()))
+            os.replace(path + ".tmp", path)
+    register_optimizer_step_post_hook(_first_step)
+"""
+
+
 def run(cmd, threads, timeout):
-    """Run one command in a fresh process group; its metrics row, with start-up time measured from the launch."""
+    """Run one command in a fresh process group; its metrics row, with its start-up time (from the launch to the end
+    of the first optimizer step, the last process's to get there) and, on the CPU, the peak resident memory of its
+    largest process (the scripts log GPU memory only)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["OMP_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as out:
-        launched = time.time()
-        p = subprocess.Popen(cmd + ["--out-dir", out], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)  # its own group: a timeout ends its children too
-        try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-            sys.exit(f"timed out after {timeout}s: {' '.join(cmd)}")
-        if p.returncode != 0:
-            sys.exit(f"exit status {p.returncode}: {' '.join(cmd)}\n{err[-3000:]}")
-        with open(os.path.join(out, "metrics.jsonl")) as f:
+        hook, first = os.path.join(out, "hook"), os.path.join(out, "first_step")
+        os.makedirs(hook)
+        os.makedirs(first)
+        with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
+            f.write(FIRST_STEP)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")]))
+        env["BENCH_FIRST_STEP"] = first
+        with open(os.path.join(out, "stderr"), "w+") as err:
+            launched = time.time()
+            p = subprocess.Popen(cmd + ["--out-dir", os.path.join(out, "run")], env=env, cwd=ROOT,
+                                 stdout=subprocess.DEVNULL, stderr=err,
+                                 start_new_session=True)  # its own group: a timeout ends its children too
+            # wait4, not wait: the resources it used, its children's (reaped by it: torchrun's and mp.spawn's
+            # workers) included; ru_maxrss is then the largest one process's peak resident set size, in KiB
+            while True:
+                pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    break
+                if time.time() - launched > timeout:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    sys.exit(f"timed out after {timeout}s: {' '.join(cmd)}")
+                time.sleep(0.02)
+            if p.returncode != 0:
+                err.seek(0)
+                sys.exit(f"exit status {p.returncode}: {' '.join(cmd)}\n{err.read()[-3000:]}")
+        with open(os.path.join(out, "run", "metrics.jsonl")) as f:
             row = json.loads(f.readlines()[-1])
+        ends = [float(open(os.path.join(first, name)).read()) for name in os.listdir(first) if name.isdigit()]
+    if not ends:
+        sys.exit(f"no optimizer step was seen (sitecustomize.py not imported?): {' '.join(cmd)}")
     mem = row["peak_mem_mb"]
-    return {"samples_per_s": row["samples_per_s"], "startup_s": row["first_step_time"] - launched,
-            "eval_s": row["eval_time_s"], "peak_mem_mb": max(mem) if isinstance(mem, list) else mem}
+    mem = usage.ru_maxrss / 1024 if mem is None else max(mem) if isinstance(mem, list) else mem
+    return {"samples_per_s": row["samples_per_s"], "startup_s": max(ends) - launched, "eval_s": row["eval_time_s"],
+            "peak_mem_mb": mem}
 
 
 def verdict(table):

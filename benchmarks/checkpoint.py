@@ -7,9 +7,10 @@ dcp --async-save (every rank copies its part to host memory and writes it in a t
     torchrun --nproc_per_node=2 benchmarks/checkpoint.py --formats dcp         # one format per process
     torchrun --nproc_per_node=2 benchmarks/checkpoint.py --model cnn --repeats 1  # a smoke test
 
-Each rank builds the model and optimizer as the script does (build_model, common.make_optimizer), trains one step
+Each rank builds the data, model and optimizer as the script does (its build_data and build_model), trains one step
 (so that the optimizer state exists: AdamW's is twice the parameters), then calls the script's save() --repeats
-times per format, the formats interleaved. A thread samples each rank's resident set size (/proc/self/statm) every
+times per format, the formats interleaved. The sharded formats are fsdp_train.py's (--ckpt-format dcp, written by
+train_extras/sharded.py); ddp_launch_train.py writes last.pt only. A thread samples each rank's resident set size (/proc/self/statm) every
 2 ms: the rise is its peak during the save (until the background write has finished, for --async-save) less its
 size just before. `ru_maxrss` would not do: it is the lifetime peak. Memory that an earlier save freed is reused
 by the next (the allocator keeps it), so a rise is the largest over the repeats (the first save's), and formats
@@ -65,57 +66,70 @@ def main():
                    help="whose build_model and save() to time")
     p.add_argument("--model", default="resnet50", help="cnn or a torchvision model")
     p.add_argument("--repeats", type=int, default=3, help="saves per format, the formats interleaved")
-    p.add_argument("--formats", default="file,dcp,async", help="which of file, dcp, async (dcp --async-save)")
+    p.add_argument("--formats", help="which of file, dcp, async (dcp --async-save); default: all the script has "
+                   "(ddp_launch_train.py: file)")
     p.add_argument("--out-dir", help="where to write (default: a temporary folder, removed afterwards)")
     p.add_argument("--json", help="also write the results here")
     bench = p.parse_args()
 
     script = importlib.import_module(bench.script[:-3])
+    fsdp = bench.script == "fsdp_train.py"
+    formats = bench.formats or ("file,dcp,async" if fsdp else "file")
+    wanted = [{"async": "dcp --async-save"}.get(f, f) for f in formats.split(",")]
+    if not fsdp and wanted != ["file"]:
+        p.error("--formats dcp and async are fsdp_train.py's (--ckpt-format dcp): with ddp_launch_train.py, --formats "
+                "file")
     args = common.get_parser(script.__doc__).parse_args(
         ["--model", bench.model, "--optimizer", "adamw", "--train-size", "64", "--val-size", "16", "--batch-size", "2",
          "--synthetic-shape", "3x64x64", "--device", "cpu", "--workers", "0"])
-    # the script-specific flags, at their defaults
-    args.backend, args.sync_bn, args.precision, args.replicate = None, False, "fp32", 1
-    args.reshard_after_forward = True
-    rank, world_size, local_rank, device = script.setup_distributed(args)
-    train_set, val_set = common.load_data(args)
-    raw_model, model = script.build_model(args, train_set, device, torch.contiguous_format, rank, local_rank)
-    optimizer, scheduler = common.make_optimizer(args, raw_model, 10)
-    x, y = train_set.x[:2], train_set.y[:2]
-    script.train_step(model, x, y, optimizer, scheduler, args)  # the optimizer state now exists
-    progress = common.Progress(10, 2 * world_size, None, device, None)
+    # the script's own flags, at their defaults
+    args.backend, args.sync_bn, args.local_rank = None, False, None
+    if fsdp:
+        args.precision, args.replicate, args.reshard_after_forward = "fp32", 1, True
+    run = script.setup_distributed(args)
+    rank, world_size = run.rank, run.world_size
+    run.global_batch, run.sharded = args.batch_size * world_size, None
+    script.build_data(run)
+    script.build_model(run)  # the model (sharded or wrapped), its optimizer and schedule
+    x, y = (t[:args.batch_size].to(run.device) for t in run.train_set.tensors)
+    script.train_step(run, x, y)  # the optimizer state now exists
+    run.progress = progress = common.Progress(10, run.global_batch, run.device)
     progress.start_epoch(0)
-    progress.step_done(torch.tensor(1.0), None)
-    watch = common.Watch(None, rank, 300)
-    held = sum(t.numel() * t.element_size() for t in [*raw_model.state_dict().values(), *[
-        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]])  # whole model + AdamW
+    progress.step_done(torch.tensor(1.0, device=run.device))
+    held = sum(t.numel() * t.element_size() for t in [*run.raw_model.state_dict().values(), *[
+        v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]])  # whole model + AdamW
     scratch = tempfile.TemporaryDirectory() if bench.out_dir is None else None
     root = bench.out_dir or scratch.name
     if rank == 0:
-        share = f"each rank holds about 1/{world_size}" if bench.script == "fsdp_train.py" else "each rank holds all"
+        share = f"each rank holds about 1/{world_size}" if fsdp else "each rank holds all"
         print(f"{bench.script}, {bench.model}, AdamW, {world_size} processes: {held / 2**20:.0f} MiB of model and "
               f"optimizer state in all ({share}); writing to {root}", flush=True)
-    formats = {"file": None, "dcp": common.ShardedCheckpoints(os.path.join(root, "dcp"), False, watch),
-               "dcp --async-save": common.ShardedCheckpoints(os.path.join(root, "async"), True, watch)}
-    wanted = [{"async": "dcp --async-save"}.get(f, f) for f in bench.formats.split(",")]
-    formats = {name: sharded for name, sharded in formats.items() if name in wanted}
-    if rank == 0:
         for name in ("file", "dcp", "async"):
             os.makedirs(os.path.join(root, name), exist_ok=True)
     dist.barrier()
+    # where each format goes, and its saver: None for last.pt; train_extras.sharded's Saver (what fsdp_train.py's
+    # --ckpt-format dcp [--async-save] makes) for the sharded ones
+    formats = {"file": (os.path.join(root, "file"), None)}
+    if fsdp:
+        sharded = common.optional("sharded", "--ckpt-format dcp")
+        for name, folder, background in (("dcp", "dcp", False), ("dcp --async-save", "async", True)):
+            run.out_dir, args.async_save = os.path.join(root, folder), background
+            formats[name] = (run.out_dir, sharded.Saver(run))
+        args.async_save = False
+    formats = {name: f for name, f in formats.items() if name in wanted}
     results = {name: [] for name in formats}
     for repeat in range(bench.repeats):
-        for name, sharded in formats.items():
-            out_dir = os.path.join(root, "file") if sharded is None else sharded.out_dir
+        for name, (out_dir, saver) in formats.items():
+            run.out_dir, run.sharded = out_dir, saver
             progress.step += 1  # a new ckpt-<step> folder each time
             memory = Resident()
             dist.barrier()
             memory.start()
             t = time.perf_counter()
-            script.save(out_dir, raw_model, optimizer, scheduler, progress, args, sharded)
+            script.save(run)
             blocked = time.perf_counter() - t
-            if sharded is not None:
-                sharded.wait()  # the background write, finished (at once for a synchronous save)
+            if saver is not None:
+                saver.wait()  # the background write, finished (at once for a synchronous save)
             total, rise = time.perf_counter() - t, memory.stop()
             every = [None] * world_size
             dist.all_gather_object(every, (blocked, total, rise))

@@ -9,11 +9,11 @@ It writes --images JPEGs of ImageNet-like size (500x375, quality 90; smooth colo
 a temporary folder, then times a whole pass over them, batch 64, shuffled, for each pipeline:
   baseline      torchvision.datasets.ImageFolder: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip,
                 ToTensor, Normalize (torchvision.transforms, v1)
-  scripts       common.ImageFiles, as the scripts train on an ImageFolder: torchvision.io.decode_image, then
+  scripts       train_extras.datasets.ImageFiles, as the scripts train on an ImageFolder: torchvision.io.decode_image, then
                 transforms.v2 on the uint8 tensor (resize to 224x224, random crop with padding, flip); each
                 sample's randomness seeded from (seed, epoch, index). Batches leave the worker as uint8 and are
-                made float and normalized in this process (loader.normalize), as the scripts do on their device
-  pretrained    common.ImageFiles with --pretrained's training transform (RandomResizedCrop(224) and flip, v2 on
+                made float and normalized in this process (ImageFiles.normalize), as the scripts do on their device
+  pretrained    train_extras.datasets.ImageFiles with --pretrained's training transform (RandomResizedCrop(224) and flip, v2 on
                 the uint8 tensor): the same work as the baseline, done the scripts' way
 Each pass runs twice in a row and the second is timed (the first starts the workers and fills the page cache).
 The rows are interleaved, repeat by repeat; the table shows medians and, for each pipeline, the median of its
@@ -31,9 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
-
-import common  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler  # noqa: E402
 
 
 def write_jpegs(root, n, size=(500, 375)):
@@ -51,17 +49,26 @@ def write_jpegs(root, n, size=(500, 375)):
 
 def loaders(root, workers, batch):
     from torchvision import datasets, models, transforms as T
+
+    from train_extras.datasets import IMAGENET_MEAN, IMAGENET_STD, ImageFiles
     baseline = datasets.ImageFolder(root, transform=T.Compose([
-        T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
-        T.Normalize(common.IMAGENET_MEAN, common.IMAGENET_STD)]))
-    scripts = common.ImageFiles(root, 224, augment=True, seed=0)
+        T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
+    scripts = ImageFiles(root, 224, augment=True, seed=0)
     weights = models.get_model_weights("resnet50").DEFAULT  # its transforms only: nothing is downloaded
-    pretrained = common.ImageFiles(root, None, augment=True, seed=0, weights=weights)
+    pretrained = ImageFiles(root, None, augment=True, seed=0, weights=weights)
+
+    def as_the_scripts_load(ds):
+        """common.make_loader's DataLoader for files (shuffled batches of indices, --workers processes), but with
+        persistent workers, as the baseline's: the timed pass is the steady state, not the workers' start. (The
+        scripts start theirs once an epoch.) Batches come as uint8 and are normalized by `normalize` in this process,
+        as the scripts do on their device."""
+        loader = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), batch, drop_last=False),
+                            num_workers=workers, persistent_workers=workers > 0, generator=torch.Generator())
+        loader.normalize = ds.normalize
+        return loader
     return {"baseline": DataLoader(baseline, batch_size=batch, shuffle=True, num_workers=workers,
                                    persistent_workers=workers > 0),
-            "scripts": common.make_loader(scripts, RandomSampler(scripts), batch, False, workers, torch.device("cpu")),
-            "pretrained": common.make_loader(pretrained, RandomSampler(pretrained), batch, False, workers,
-                                             torch.device("cpu"))}
+            "scripts": as_the_scripts_load(scripts), "pretrained": as_the_scripts_load(pretrained)}
 
 
 def images_per_s(loader):

@@ -1,9 +1,10 @@
 """Running a launcher (torchrun, mp.spawn's parent, srun) while a test watches it, and hooks that make the moments a
-test acts in exact: a rank that waits at a given step, a checkpoint save that waits half-written, a sharded save
-that waits after writing its part. The hooks are a sitecustomize.py on PYTHONPATH, so that they reach every Python
-process of a run (torchrun's workers, mp.spawn's children, srun's tasks). They patch only torch's and Python's own
-functions (an optimizer step hook, torch.save, DCP's FileSystemWriter.write_data, signal.signal), never the scripts'
-code: they mean the same whatever common.py does inside.
+test acts in exact: a rank that waits at a given step, or stops answering there, a checkpoint save that waits
+half-written, a sharded save that waits after writing its part, slow steps. The hooks are a sitecustomize.py on
+PYTHONPATH, so that they reach every Python process of a run (torchrun's workers, mp.spawn's children, srun's tasks).
+They patch only torch's and Python's own functions (an optimizer step hook, torch.save, DCP's
+FileSystemWriter.write_data, signal.signal, sys.exit), never the scripts' code: they mean the same whatever common.py
+does inside.
 
 Every hook leaves a mark, a file in the folder TEST_HOOKS names, and those that wait go on once the test creates the
 file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
@@ -11,12 +12,15 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
     steps-rank<r>          optimizer steps taken so far by rank r (this process's: a resumed run counts from 0)
     paused-rank<r>         rank r waits after its optimizer step TEST_PAUSE_AT (the file holds its pid)
     handled-<SIG>-<pid>    process pid has taken signal SIG: its Python handler is running
+    exit-rank<r>           rank r called sys.exit in its process group: the status it asked for
     saving-rank<r>         the TEST_STALL_SAVE-th checkpoint that rank r writes with torch.save is half on disk (JSON:
                            path, bytes written, bytes in all, pid): the other half follows `go-save`
     stalled-rank<r>        rank r's part of a sharded (DCP) save, from the TEST_STALL_DCP-th on, is written, but
                            write_data has not returned: the save is incomplete (ckpt-<step>.tmp) until
                            `go-dcp`, after which no save waits
-A rank TEST_HANG_AT ("rank:step") names stops answering after that optimizer step (an hour's sleep).
+    hung-rank<r>           rank r stops answering after its optimizer step TEST_HANG_AT ("rank:step"): an hour's
+                           sleep, which a signal's Python handler does not end (the file holds its pid)
+Each optimizer step takes TEST_STEP_S seconds more (a slow model).
 """
 import os
 import signal
@@ -66,6 +70,14 @@ def _install():
         return _signal(signum, handler)
     signal.signal = _marking_signal
 
+    _exit = sys.exit
+
+    def _marking_exit(code=None):  # a rank's status, where no test can wait for it (torchrun's workers)
+        if dist.is_available() and dist.is_initialized():  # a rank: not a launcher
+            _mark(f"exit-rank{_rank()}", str(code))
+        _exit(code)
+    sys.exit = _marking_exit
+
     import torch
     import torch.distributed as dist
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -73,7 +85,7 @@ def _install():
     def _rank():
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-    _pause_at = int(os.environ.get("TEST_PAUSE_AT", "0"))
+    _pause_at, _step_s = int(os.environ.get("TEST_PAUSE_AT", "0")), float(os.environ.get("TEST_STEP_S", "0"))
     _hang_at = tuple(map(int, os.environ["TEST_HANG_AT"].split(":"))) if os.environ.get("TEST_HANG_AT") else None
     _steps = [0]
 
@@ -85,7 +97,9 @@ def _install():
             _mark(f"paused-rank{rank}", str(os.getpid()))
             _wait_for_go("pause")
         if (rank, _steps[0]) == _hang_at:
+            _mark(f"hung-rank{rank}", str(os.getpid()))
             time.sleep(3600)
+        time.sleep(_step_s)
     register_optimizer_step_post_hook(_after_step)
 
     _stall_save, _save, _saves = int(os.environ.get("TEST_STALL_SAVE", "0")), torch.save, [0]
@@ -225,7 +239,7 @@ class Hooks:
     """The hooks (see the module's docstring) for the processes a test starts with `env`, and their marks."""
 
     def __init__(self, tmp_path, **settings):
-        """settings: pause_at=step, stall_save=n, stall_dcp=n, hang_at="rank:step"."""
+        """settings: pause_at=step, stall_save=n, stall_dcp=n, hang_at="rank:step", step_s=seconds."""
         site, self.dir = Path(tmp_path) / "site", Path(tmp_path) / "marks"
         site.mkdir(exist_ok=True)
         self.dir.mkdir(exist_ok=True)
@@ -245,6 +259,10 @@ class Hooks:
     def paused(self):
         """{rank: pid} of the ranks waiting at TEST_PAUSE_AT."""
         return {r: int(text) for r, text in self.ranks("paused").items()}
+
+    def exits(self):
+        """{rank: the status it asked sys.exit for} (its own status, unless a signal killed it first)."""
+        return {r: int(text) for r, text in self.ranks("exit").items()}
 
     def handled(self, pid, sig):
         return (self.dir / f"handled-{signal.Signals(sig).name}-{pid}").exists()

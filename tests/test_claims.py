@@ -1,6 +1,6 @@
 """Documented claims that no other test checks, each checked on the real processes: Ctrl-C (docs/failures.md),
-torchrun's --master_port=0 refused in one line (common.torchrun_store), and the default thread count
-(common.set_cpu_threads: the cores of the affinity mask shared among the processes of the machine)."""
+torchrun's --master_port=0 refused in one line (each torchrun script's setup_distributed), and the default thread
+count (common.set_threads_and_math: the cores of the affinity mask shared among the processes of the machine)."""
 import contextlib
 import os
 import signal
@@ -119,11 +119,12 @@ def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
 
 
 # ---- torchrun --master_port=0: refused by every worker, one line, before anything is written
-@pytest.mark.parametrize("script", ["ddp_launch_train.py", "fsdp_train.py"])
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", "ddp_amp_train.py", "fsdp_train.py"])
 def test_torchrun_master_port_0_is_one_error_line(tmp_path, script):
     """torchrun's static rendezvous on --master_port=0 binds its store on a port the OS picks, but tells the workers
-    MASTER_PORT=0: common.torchrun_store refuses it on every rank (a UsageError: status 2) rather than let them try
-    to reach port 0 until the 10-minute timeout. conftest.run's torchrun adds a --master_port of its own: not used."""
+    MASTER_PORT=0: the script's setup_distributed refuses it on every rank (a UsageError: status 2) rather than let
+    them try to reach port 0 until the 10-minute timeout. conftest.run's torchrun adds a --master_port of its own:
+    not used."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", script,
            "--train-size", "64", "--val-size", "20", "--batch-size", "8", "--max-steps", "2",
            "--out-dir", str(tmp_path / "out")]
@@ -131,8 +132,7 @@ def test_torchrun_master_port_0_is_one_error_line(tmp_path, script):
     out, err = finish(p, 120)
     p = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     errors = [line for line in (out + err).splitlines() if "error:" in line]
-    assert errors == ["error: torchrun --master_port=0 tells the workers port 0: give a free port, or use "
-                      "--standalone"], out + err
+    assert errors == ["error: MASTER_PORT=0 (torchrun --master_port=0): give a free port, or --standalone"], out + err
     assert_exit(p, 2)  # torchrun exits 1; each failed worker in its report, 2
     assert not (tmp_path / "out").exists()
 
@@ -143,7 +143,7 @@ TWO_CPUS = pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 CPUs in this proce
 
 
 @pytest.mark.parametrize("script,nprocs,cpus,threads", [
-    # torch's own default would be 2 (the cores of the mask) in each: set_cpu_threads makes it 2 // 2
+    # torch's own default would be 2 (the cores of the mask) in each: set_threads_and_math makes it 2 // 2
     pytest.param("ddp_spawn_train.py", 2, 2, 1, marks=[TWO_CPUS, pytest.mark.slow], id="spawn-2-processes-2-cpus"),
     pytest.param("ddp_launch_train.py", None, 2, 2, marks=TWO_CPUS, id="one-process-2-cpus"),
     pytest.param("ddp_launch_train.py", None, 1, 1, id="one-process-1-cpu"),

@@ -9,7 +9,7 @@ own marker, a comment holding `[amp]`, `[spawn]`, `[fsdp]` or `[dp]`:
 - a tagged `def` (or `if __name__` line) makes the whole function the script's own;
 - a tagged `with` makes only the wrapper the script's own: the statements inside it are still compared;
 - a tagged `if`/`for`/`while`/`try` makes the whole block the script's own.
-So a statement dropped from one script (say its `check_finite(...)`) or changed without a tag fails here."""
+So a statement dropped from one script (say its `progress.check(...)`) or changed without a tag fails here."""
 import ast
 import copy
 import difflib
@@ -155,9 +155,11 @@ def test_the_readme_names_exactly_the_steps_left_uncompared():
 
 
 BREAKAGES = {  # what a script must not lose: the start of the lines that go
-    "check_finite": ["            check_finite(progress.first_bad)"],
-    "set_epoch": ["        sampler.set_epoch(epoch)"],
-    "buffer broadcast": ["        for buffer in raw_model.buffers():", "            dist.broadcast(buffer, src=0)"],
+    # the agreement of all ranks on a NaN/inf loss and on a stop signal (common.Progress.check)
+    "progress.check": ["        stopping = progress.check(args, every_rank=save_due or last)"],
+    "set_epoch": ["    run.sampler.set_epoch(epoch)"],
+    "buffer broadcast": ["            for buffer in run.raw_model.buffers():",
+                         "                dist.broadcast(buffer, src=0)"],
 }
 
 
@@ -167,6 +169,9 @@ BREAKAGES = {  # what a script must not lose: the start of the lines that go
 def test_drift_is_caught(script, what):
     """The test above fails when a script drops any of these (dp_train.py has no buffers to broadcast: one
     process)."""
+    reference = open(os.path.join(ROOT, REFERENCE)).read().splitlines()
+    assert [line for line in reference if line.startswith(tuple(BREAKAGES[what]))] == BREAKAGES[what], \
+        f"{REFERENCE} no longer holds these lines as they are written here: {BREAKAGES[what]}"
     lines = open(os.path.join(ROOT, script)).read().splitlines(keepends=True)
     kept = [line for line in lines if not line.startswith(tuple(BREAKAGES[what]))]
     if script == "dp_train.py" and what == "buffer broadcast":

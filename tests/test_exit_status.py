@@ -1,12 +1,17 @@
 """The documented exit statuses (docs/failures.md, "Exit codes") in the launch styles that the other tests do not
 cover: ranks of ddp_launch_train.py started by hand (env://: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set
-by whoever starts them), where each process's own status is the contract; a hang (3) under mp.spawn, whose parent
-passes on its first failed child's status; and srun, which returns the highest status of its tasks (its man page,
-RETURN VALUE) and names each task's in its own report. Plain python and torchrun are covered in test_failures.py
-(1, 2), test_usage.py and test_scripts.py (2); the signals (0 after SIGUSR1, 143) in test_signals.py.
+by whoever starts them), where each process's own status is the contract; a hang (3) under torchrun, mp.spawn (whose
+parent passes on its first failed child's status) and srun, which returns the highest status of its tasks (its man
+page, RETURN VALUE) and names each task's in its own report. Plain python and torchrun are covered in
+test_failures.py (1, 2), test_usage.py and test_scripts.py (2); the signals (0 after SIGUSR1, 143) in
+test_signals.py.
 
-A rank that stops answering is made with a sitecustomize.py on PYTHONPATH: it is imported by every Python process
-that starts with that environment, mp.spawn's children included, and makes one rank sleep at one step."""
+A rank that stops answering is made by tests/hooks.py (TEST_HANG_AT): one rank sleeps after one optimizer step, in
+every Python process that starts with that environment. The ranks that wait for it name it ("rank N never
+arrived", common.hangs_named), rank 0 stuck as well as another: the store they meet on answers whoever is stuck
+(torchrun's agent holds it, or a thread of rank 0's process). Only a launcher ends the stuck rank: it takes a
+SIGTERM only as a note to stop at its next check, which it never reaches, so the launcher's SIGKILL ends it at the
+end of its grace period (torchrun's 30 s, SLURM's KillWait)."""
 import contextlib
 import os
 import re
@@ -17,43 +22,25 @@ import time
 
 import pytest
 
-from conftest import (ROOT, TIMEOUT, address_in_use, assert_exit, checkpoint, clean_env, env_ranks, free_port, max_diff,
-                      metrics, run)
+from conftest import (ROOT, TIMEOUT, LAUNCHER_PICKS_PORT, address_in_use, alive, assert_exit, checkpoint, env_ranks,
+                      free_port, max_diff, metrics, run, worker_exit_codes)
+from hooks import Hooks, Proc, clean_env, torchrun
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]  # 2 processes: 4 steps
 NAN = [*TINY, "--lr", 1e6]  # the loss is NaN/inf within the first epoch
-HANG = [*TINY, "--step-timeout", 3]  # rank 1 stops answering at step 2 (after the first, as the timeout needs)
-HANG_AT = "1:2"
-NAMED = re.compile(r"^error: a collective timed out after 3 s in \w+ \(\w+\.py:\d+\) at step 2: rank 1 \(at step 1\) "
-                   r"never arrived$", re.M)
-
-SITECUSTOMIZE = """
-import os
-if os.environ.get("TEST_HANG_AT"):  # "rank:step": that rank stops answering (sleeps) at that step
-    import time
-    import common
-    rank, step = map(int, os.environ["TEST_HANG_AT"].split(":"))
-    # the seconds a SIGTERM leaves to save and stop (20 in the scripts): what a launcher's SIGTERM to the stuck rank
-    # costs here
-    common.Watch.SAVE_BUDGET_S = float(os.environ.get("TEST_SAVE_BUDGET", common.Watch.SAVE_BUDGET_S))
-    step_done = common.Watch.step_done
-    def hang(self, s):
-        if self.rank == rank and s == step:
-            time.sleep(3600)
-        return step_done(self, s)
-    common.Watch.step_done = hang
-"""
+HANG = [*TINY, "--step-timeout", 3]  # the stuck rank stops answering after step 2 (after the first check)
 
 
-@pytest.fixture
-def hang_env(tmp_path):
-    """The environment that makes rank 1 stop answering at step 2 (SITECUSTOMIZE), with a SIGTERM save budget of
-    2 s."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"PYTHONPATH": os.pathsep.join([str(site), ROOT]), "TEST_HANG_AT": HANG_AT, "TEST_SAVE_BUDGET": "2"}
+def named(stuck):
+    """The one line that names the stuck rank."""
+    return re.compile(rf"^error: a collective timed out: rank {stuck} never arrived$", re.M)
+
+
+def hang_env(tmp_path, stuck):
+    """The environment that makes rank `stuck` stop answering after step 2, and its hooks."""
+    hooks = Hooks(tmp_path, hang_at=f"{stuck}:2")
+    return hooks.env, hooks
 
 
 def errors(text):
@@ -86,12 +73,12 @@ class Ranks:
                          for r in range(len(self.procs)))
 
     def wait(self, rank, timeout=TIMEOUT):
-        """The rank's own exit status. Past `timeout` every rank prints its stacks (SIGUSR2), is killed, and the test
-        fails."""
+        """The rank's own exit status. Past `timeout` every rank prints its stacks (SIGABRT: PYTHONFAULTHANDLER), is
+        killed, and the test fails."""
         try:
             return self.procs[rank].wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.kill(signal.SIGUSR2)
+            self.kill(signal.SIGABRT)
             time.sleep(2)
             self.kill()
             pytest.fail(f"rank {rank} did not exit in {timeout} s\n{self.output()}")
@@ -108,15 +95,19 @@ class Ranks:
 
 
 @contextlib.contextmanager
-def hand_launched(tmp_path, *args, env=None, nproc=2):
-    """Start the ranks by hand and wait for rank 0's exit; started again on a fresh port if rank 0 says another
-    process took the one it was given. Yields the Ranks (the others may still run); every rank still running at the
-    end is killed."""
+def hand_launched(tmp_path, *args, env=None, nproc=2, wait_for=0):
+    """Start the ranks by hand and wait for the exit of rank `wait_for`; started again on a fresh port if rank 0 says
+    another process took the one it was given. Yields the Ranks (the others may still run); every rank still running
+    at the end is killed."""
     for attempt in range(5):
         ranks = Ranks(tmp_path / f"ranks{attempt}", args, env or {}, nproc)
         try:
-            code = ranks.wait(0)
-            if not (code != 0 and address_in_use(ranks.stdout(0) + ranks.stderr(0))) or attempt == 4:
+            taken = lambda: ranks.procs[0].poll() not in (None, 0) and address_in_use(ranks.stderr(0))  # noqa: E731
+            deadline = time.monotonic() + TIMEOUT
+            while ranks.procs[wait_for].poll() is None and not taken() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not taken() or attempt == 4:
+                ranks.wait(wait_for)
                 yield ranks
                 return
         finally:
@@ -139,7 +130,7 @@ def test_hand_launched_ranks_exit_2_on_bad_input(tmp_path):
     with hand_launched(tmp_path, *TINY, "--resume", tmp_path / "nope.pt", "--out-dir", tmp_path / "out") as ranks:
         assert [ranks.wait(r) for r in (0, 1)] == [2, 2], ranks.output()  # each process's own status
         said = errors(ranks.stderr(0) + ranks.stderr(1))
-    assert len(said) == 1 and "no such checkpoint" in said[0], ranks.output()  # once over both ranks
+    assert len(said) == 1 and "nope.pt is not a readable checkpoint" in said[0], ranks.output()  # once over both
     assert not os.listdir(tmp_path / "out")
 
 
@@ -153,30 +144,54 @@ def test_hand_launched_ranks_exit_1_on_a_nan_loss(tmp_path):
 
 @pytest.mark.floor
 @pytest.mark.slow
-def test_hand_launched_rank_that_waited_for_a_stuck_one_exits_3(tmp_path, hang_env):
-    with hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=hang_env) as ranks:
-        assert ranks.wait(0) == 3, ranks.output()
-        assert len(NAMED.findall(ranks.stderr(0))) == 1 and not errors(ranks.stderr(1)), ranks.output()
-        # no launcher here, and nothing else ends the stuck rank: it sleeps on after rank 0 and its store have gone
-        # (its heartbeat thread finds the store gone within about 2 s, and stops)
+@pytest.mark.parametrize("stuck", [0, 1], ids=["rank-0-stuck", "rank-1-stuck"])
+def test_hand_launched_rank_that_waited_for_a_stuck_one_exits_3_naming_it(tmp_path, stuck):
+    env, hooks = hang_env(tmp_path, stuck)
+    waited = 1 - stuck
+    with hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=waited) as ranks:
+        assert ranks.wait(waited) == 3, ranks.output()
+        assert len(named(stuck).findall(ranks.stderr(waited))) == 1, ranks.output()
+        assert errors(ranks.stderr(stuck)) == [] and list(hooks.ranks("hung")) == [stuck], ranks.output()
+        # no launcher here, and nothing else ends the stuck rank: it sleeps on
         try:
-            pytest.fail(f"the stuck rank exited {ranks.procs[1].wait(timeout=5)} by itself\n{ranks.output()}")
+            pytest.fail(f"the stuck rank exited {ranks.procs[stuck].wait(timeout=5)} by itself\n{ranks.output()}")
         except subprocess.TimeoutExpired:
             pass
-    assert ranks.procs[1].returncode == -signal.SIGKILL  # killed at the end of hand_launched
+    assert ranks.procs[stuck].returncode == -signal.SIGKILL  # killed at the end of hand_launched
+
+
+# ---- torchrun: the waiting rank exits 3; torchrun ends the stuck one, by SIGKILL at the end of its grace period
+@pytest.mark.slow
+def test_torchrun_names_a_stuck_rank_0_and_every_process_ends(tmp_path):
+    """Rank 0 stuck: rank 1 names it through torchrun's store (its agent's), and exits 3; torchrun then sends the
+    stuck rank SIGTERM, which it only notes, and SIGKILL 30 s later. No process is left."""
+    env, hooks = hang_env(tmp_path, 0)
+    proc = Proc(torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
+                [*HANG, "--out-dir", tmp_path / "out"], tmp_path / "log", env=clean_env(**env))
+    try:
+        proc.until(lambda: hooks.ranks("hung"), "rank 0 stuck")
+        stuck = int(hooks.ranks("hung")[0])
+        log = proc.wait(expect=1)
+    finally:
+        proc.kill()
+    assert len(named(0).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
+    assert worker_exit_codes(log) == {0: -signal.SIGKILL, 1: 3}, log[-4000:]  # in torchrun's report
+    assert hooks.exits() == {1: 3} and not alive(stuck)
 
 
 # ---- mp.spawn: the parent passes on the status of the first child that failed
 @pytest.mark.slow
-def test_spawn_exits_3_when_a_child_stops_answering(tmp_path, hang_env):
+def test_spawn_exits_3_when_a_child_stops_answering(tmp_path):
+    env, hooks = hang_env(tmp_path, 1)
     t = time.monotonic()
-    p = run("ddp_spawn_train.py", *HANG, "--nprocs", 2, "--out-dir", tmp_path, env=hang_env, check=False,
+    p = run("ddp_spawn_train.py", *HANG, "--nprocs", 2, "--out-dir", tmp_path / "out", env=env, check=False,
             timeout=180)
     seconds = time.monotonic() - t
     assert_exit(p, 3)
-    assert len(NAMED.findall(p.stderr)) == 1 and len(errors(p.stderr)) == 1, p.stderr  # the parent adds no line
-    # the parent ended the stuck child (SIGTERM: it leaves within its save budget, 2 s here), then exited itself
-    assert seconds < 90, seconds
+    assert len(named(1).findall(p.stderr)) == 1 and len(errors(p.stderr)) == 1, p.stderr  # the parent adds no line
+    # the parent ended the stuck child (10 s for its own way out, SIGTERM, which it only notes, then SIGKILL 10 s
+    # later), then exited itself: about 70 s in all on this 2-core machine
+    assert not alive(int(hooks.ranks("hung")[1])) and seconds < 120, seconds
 
 
 # ---- srun: its own status is the highest of its tasks'; its report names each task's
@@ -209,7 +224,7 @@ def test_srun_exits_2_on_bad_input(slurm, tmp_path):
     p = srun(slurm, tmp_path, *TINY, "--resume", tmp_path / "nope.pt", "--out-dir", tmp_path / "out")
     assert (p.returncode, srun_task_statuses(p.stderr)) == (2, {0: 2, 1: 2}), p.stderr
     said = errors(p.stderr)
-    assert len(said) == 1 and "no such checkpoint" in said[0], p.stderr
+    assert len(said) == 1 and "nope.pt is not a readable checkpoint" in said[0], p.stderr
 
 
 def test_srun_exits_1_on_a_nan_loss(slurm, tmp_path):
@@ -220,9 +235,11 @@ def test_srun_exits_1_on_a_nan_loss(slurm, tmp_path):
 
 
 @pytest.mark.slow
-def test_srun_reports_3_for_the_rank_that_waited_for_a_stuck_one(slurm, tmp_path, hang_env):
-    """Task 0 exits 3. --kill-on-bad-exit then ends the step: SIGTERM to the stuck task, which leaves within its
-    save budget with 143. srun's own status is the highest of the two, 143; its report names task 0's 3."""
-    p = srun(slurm, tmp_path, *HANG, "--out-dir", tmp_path / "out", env=hang_env)
-    assert (p.returncode, srun_task_statuses(p.stderr)) == (143, {0: 3, 1: 143}), p.stderr
-    assert len(NAMED.findall(p.stderr)) == 1, p.stderr
+def test_srun_reports_3_for_the_rank_that_waited_for_a_stuck_one(slurm, tmp_path):
+    """Task 0 exits 3. --kill-on-bad-exit then ends the step: SIGTERM to the stuck task, which it only notes, then
+    SIGKILL at the end of KillWait (30 s). srun's own status is the highest of the two, 137 (128 + SIGKILL); its
+    report names task 0's 3."""
+    env, hooks = hang_env(tmp_path, 1)
+    p = srun(slurm, tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env)
+    assert (p.returncode, srun_task_statuses(p.stderr)) == (137, {0: 3, 1: -signal.SIGKILL}), p.stderr
+    assert len(named(1).findall(p.stderr)) == 1, p.stderr

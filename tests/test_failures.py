@@ -1,5 +1,6 @@
-"""Failure: bad input gets one line (printed once) and exit status 2, overwriting nothing; a NaN loss stops every
-rank at the same step, status 1; SIGTERM ends every process cleanly; a crashed mp.spawn child ends the others.
+"""Failure: bad input gets one line (printed once) and exit status 2, overwriting nothing; sharded checkpoints
+(fsdp_train.py's) refused by the other scripts in one line naming the conversion, which works both ways; a NaN loss
+stops every rank at the same step, status 1; a crashed mp.spawn child ends the others.
 Statuses are asserted with conftest.assert_exit: the process's own under python and mp.spawn, every worker's in
 torchrun's report under torchrun (docs/failures.md, "Exit codes")."""
 import importlib.util
@@ -8,12 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
 
 import common
 from conftest import ROOT, alive, assert_exit, checkpoint, clean_env, descendants, kill_tree, max_diff, metrics, run
+from train_extras.sharded import to_file, to_folder
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -27,6 +30,9 @@ def previous_run(tmp_path_factory):
     (d / "notackpt.pt").write_text("hello")
     torch.save({"model": {"weight": torch.zeros(3)}}, d / "other_arch.pt")
     (d / "empty").mkdir()
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        to_folder(str(d / "out" / "last.pt"), str(d / "ckpt-8"))  # fsdp_train.py's format
     from PIL import Image
     for split, classes in (("train", ["a", "b"]), ("val", ["a", "c"])):
         for c in classes:
@@ -40,27 +46,33 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "imagefolder_empty": (["--dataset", "imagefolder", "--data-dir", "{d}/empty"], "imagefolder"),
     "imagefolder_classes": (["--dataset", "imagefolder", "--data-dir", "{d}/mismatch"], "different classes"),
     "unknown_model": (["--model", "resnet9000"], "unknown --model"),
-    "unknown_dataset": (["--dataset", "imagenet22k"], "--dataset: invalid choice"),
+    "unknown_dataset": (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
     "truncated_resume": (["--resume", "{d}/truncated.pt"], "not a readable checkpoint"),
     "not_a_checkpoint": (["--resume", "{d}/notackpt.pt"], "not a readable checkpoint"),
-    "other_architecture": (["--resume", "{d}/other_arch.pt"], "does not hold this model"),
+    "other_architecture": (["--resume", "{d}/other_arch.pt"], "other_arch.pt is not a training state of this model"),
     "other_architecture_weights": (["--weights", "{d}/other_arch.pt"], "holds no tensor of this --model's names"),
     # no network (a proxy that refuses): one line naming the file and the folder to put it in
     "pretrained_offline": (["--model", "resnet18", "--pretrained"], "resnet18-f37072fd.pth (from https://download."
                            "pytorch.org/models/resnet18-f37072fd.pth) in {d}/torch_home/hub/checkpoints"),
-    "missing_resume": (["--resume", "{d}/nope.pt"], "no such checkpoint"),
-    "incomplete_sharded": (["--resume", "{d}/empty"], "{d}/empty is not a complete sharded checkpoint"),
-    "async_save_file": (["--async-save"], "--async-save needs --ckpt-format dcp"),
+    "missing_resume": (["--resume", "{d}/nope.pt"], "nope.pt is not a readable checkpoint of tensors "
+                       "(FileNotFoundError): no such file"),
+    # DCP is fsdp_train.py's: its checkpoints, and its flags, are one line here
+    "sharded_resume": (["--resume", "{d}/ckpt-8"], "{d}/ckpt-8 is a sharded checkpoint of fsdp_train.py: convert "
+                       "it to one file first: python -m train_extras.sharded {d}/ckpt-8 last.pt"),
+    "ckpt_format_dcp": (["--ckpt-format", "dcp"], "--ckpt-format dcp and --async-save are fsdp_train.py's"),
+    "async_save": (["--async-save"], "--ckpt-format dcp and --async-save are fsdp_train.py's"),
     "device_cuda": (["--device", "cuda"], "no CUDA"),
     "backend_nccl": (["--backend", "nccl"], "nccl"),
-    "batch_size_0": (["--batch-size", 0], "--batch-size"),
-    "epochs_0": (["--epochs", 0], "--epochs"),
-    "negative_lr": (["--lr", -1], "--lr"),
+    "batch_size_0": (["--batch-size", 0], "argument --batch-size"),
+    "epochs_0": (["--epochs", 0], "argument --epochs"),
+    "negative_lr": (["--lr", -1], "argument --lr"),
+    "out_dir_a_file": (["--out-dir", "{d}/notackpt.pt"], "--out-dir {d}/notackpt.pt: "),
     "sync_bn_cpu": (["--sync-bn"], "--sync-bn"),
     "tensorboard_missing": (["--tensorboard"], "pip install tensorboard"),
 }
 # also checked under torchrun -n 2
-TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline"}
+TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline",
+                 "sharded_resume"}
 
 
 def one_error_line(p, code=2, nproc=None):
@@ -86,7 +98,7 @@ def test_bad_input(previous_run, name):
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     launch = dict(launcher="torchrun", nproc=2) if name in TWO_PROCESSES else {}
     offline = {"TORCH_HOME": str(previous_run / "torch_home"), "https_proxy": "http://127.0.0.1:9"}
-    p = run("ddp_launch_train.py", *TINY, *args, "--out-dir", out, check=False, env=offline, **launch)
+    p = run("ddp_launch_train.py", *TINY, "--out-dir", out, *args, check=False, env=offline, **launch)
     assert words.format(d=previous_run) in one_error_line(p, 2, launch.get("nproc"))  # both ranks under torchrun
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing overwritten, nothing added
 
@@ -99,22 +111,25 @@ def test_bad_input_other_scripts(tmp_path, script):
 
 
 @pytest.mark.slow
-def test_dp_refuses_sharded_checkpoints_in_one_line_naming_the_conversion(previous_run, tmp_path):
-    p = run("dp_train.py", *TINY, "--ckpt-format", "dcp", "--out-dir", tmp_path / "a", check=False)
-    assert "--ckpt-format dcp is for the multi-process scripts" in one_error_line(p)
-    sharded = str(tmp_path / "ckpt-8")
-    common.file_to_sharded(str(previous_run / "out" / "last.pt"), sharded)
-    p = run("dp_train.py", *TINY, "--resume", sharded, "--out-dir", tmp_path / "b", check=False)
-    assert f"common.sharded_to_file('{sharded}', 'last.pt')" in one_error_line(p)
+@pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py", "ddp_amp_train.py"])
+def test_the_other_scripts_refuse_sharded_checkpoints_in_one_line_naming_the_conversion(previous_run, script,
+                                                                                        tmp_path):
+    p = run(script, *TINY, "--ckpt-format", "dcp", "--out-dir", tmp_path / "a", check=False)
+    assert "--ckpt-format dcp and --async-save are fsdp_train.py's" in one_error_line(p)
+    sharded = previous_run / "ckpt-8"
+    p = run(script, *TINY, "--resume", sharded, "--out-dir", tmp_path / "b", check=False)
+    assert f"python -m train_extras.sharded {sharded} last.pt" in one_error_line(p)
+    assert not (tmp_path / "a").exists() and not os.listdir(tmp_path / "b")
 
 
 def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path):
-    """last.pt -> ckpt folder -> last.pt, in this one process: the same keys and tensors, and the file loads with
-    weights_only=True into a plain model."""
+    """last.pt -> ckpt folder -> last.pt, in this one process (python -m train_extras.sharded): the same keys and
+    tensors, and the file loads with weights_only=True into a plain model."""
     original = checkpoint(str(previous_run / "out"))
-    common.file_to_sharded(str(previous_run / "out" / "last.pt"), str(tmp_path / "ckpt-8"))
-    assert sorted(os.listdir(tmp_path / "ckpt-8")) == [".metadata", "__0_0.distcp", "meta.pt"]
-    common.sharded_to_file(str(tmp_path / "ckpt-8"), str(tmp_path / "back.pt"))
+    assert sorted(os.listdir(previous_run / "ckpt-8")) == [".metadata", "__0_0.distcp"]
+    cmd = [sys.executable, "-m", "train_extras.sharded", str(previous_run / "ckpt-8"), str(tmp_path / "back.pt")]
+    p = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
     back = checkpoint(str(tmp_path / "back.pt"))
     assert back.keys() == original.keys()
     assert max_diff(back["model"], original["model"]) == 0
@@ -123,6 +138,8 @@ def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path
         assert max_diff(back["optimizer"]["state"][name], state) == 0
     assert back["rng"][0]["cpu"].equal(original["rng"][0]["cpu"]) and back["scheduler"] == original["scheduler"]
     common.make_model("cnn", 1, 10).load_state_dict(back["model"])
+    with pytest.raises(common.UsageError, match="empty is not a complete sharded checkpoint"):
+        to_file(str(previous_run / "empty"), str(tmp_path / "none.pt"))
 
 
 def test_dp_gpus_naming_a_gpu_that_is_not_visible_is_one_line(tmp_path):

@@ -65,10 +65,7 @@ def test_metrics_format(script_run, name):
         assert row["world_size"] == (1 if name == "dp" else 2)
         # the throughput of the timed part of the epoch: from the end of its first step (3072 / 64 = 48 steps)
         assert row["samples_per_s"] == pytest.approx(47 * 64 / row["epoch_time_s"], rel=1e-6), row
-        # on the CPU: the process's peak resident memory in MiB (torch alone takes ~300); KiB or bytes would be
-        # 1,024 or 2**20 times larger
-        assert 100 < row["peak_mem_mb"] < 16 * 1024, row
-        assert 0 <= row["data_wait_s"] < 0.05 * row["epoch_time_s"] + 0.05  # in memory: no waiting for data
+        assert row["peak_mem_mb"] is None, row  # GPU memory, and there is none on the CPU
     assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
 
 
@@ -104,7 +101,7 @@ def test_default_run_reaches_95_percent(tmp_path):
 
 def _synthetic_uint8(n, seed):
     import common
-    x, y = common.synthetic(n, seed, 0)
+    x, y = common.synthetic(n, seed, (1, 28, 28))
     x = ((x.clamp(-2.5, 2.5) + 2.5) / 5 * 255).to(torch.uint8)[:, 0]
     return x, y
 
@@ -118,7 +115,7 @@ def _write_idx(path, tensor, magic):
 def test_mnist_files(tmp_path):
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
-    for prefix, n, seed in (("train", 1024, 1), ("t10k", 200, 2)):
+    for prefix, n, seed in (("train", 1024, 1), ("t10k", 200, 1 + 10**6)):  # seeds of the same class templates
         x, y = _synthetic_uint8(n, seed)
         _write_idx(raw / f"{prefix}-images-idx3-ubyte", x, 2051)
         _write_idx(raw / f"{prefix}-labels-idx1-ubyte", y.to(torch.uint8), 2049)

@@ -1,17 +1,15 @@
-"""What a new user meets: flags checked in one pure validate(), subsets that keep every class, resumes that refuse
-what they cannot continue, files named in one line, the wrong launcher refused (signals: test_signals.py),
-an output folder no run takes from another, and logs that read well in a file."""
+"""What a new user meets: flags checked by the parser (argparse types, choices and exclusive groups, and
+common.Parser's checks of flags together) in one `error:` line, subsets that keep every class, resumes that refuse
+what they cannot continue, files named in one line, the wrong launcher refused (signals: test_signals.py), a fresh
+run that never replaces an earlier last.pt, and logs that read well in a file."""
 import argparse
 import os
-import subprocess
-import sys
-import types
 
 import pytest
 import torch
 
 import common
-from conftest import ROOT, assert_exit, checkpoint, clean_env, metrics, run, worker_exit_codes
+from conftest import assert_exit, checkpoint, metrics, run, worker_exit_codes
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 SCRIPTS = ["dp_train.py", "ddp_launch_train.py", "ddp_spawn_train.py", "ddp_amp_train.py", "fsdp_train.py"]
@@ -19,46 +17,68 @@ SCRIPTS = ["dp_train.py", "ddp_launch_train.py", "ddp_spawn_train.py", "ddp_amp_
 
 def defaults(**change):
     args = common.get_parser("").parse_args([])
-    return argparse.Namespace(**{**vars(args), "nprocs": None, **change})
+    return argparse.Namespace(**{**vars(args), **change})
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(warmup_epochs=float("nan")), "--warmup-epochs must be a finite number"),
-    (dict(lr=float("inf")), "--lr must be a finite number"),
-    (dict(lr=-1.0), "--lr must be a finite number at least 0"),
-    (dict(momentum=-1.0), "--momentum must be a finite number at least 0 and below 1"),
-    (dict(momentum=5.0), "--momentum"),
-    (dict(weight_decay=-1.0), "--weight-decay"),
-    (dict(seed=99999999999999999999), "--seed must be in 0 .. 4294967295"),
-    (dict(seed=-1), "--seed"),
-    (dict(workers=-1), "--workers"),
-    (dict(image_size=3), "--image-size must be at least 7"),
-    (dict(nprocs=0), "--nprocs must be at least 1"),
-    (dict(batch_size=0), "--batch-size must be at least 1"),
-    (dict(max_steps=0), "--max-steps"),
-    (dict(synthetic_shape="3x4"), "--synthetic-shape"),
-    (dict(model="resnet9000"), "unknown --model"),
-    (dict(overwrite=True, resume="auto"), "choose one"),
+def refused(argv, capsys, monkeypatch):
+    """The one line that the parser's refusal of `argv` prints, after checking that it exits 2."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        common.get_parser("").parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--warmup-epochs", "nan"], "argument --warmup-epochs: must be at least 0, got nan"),
+    (["--lr", "inf"], "argument --lr: must be at least 0, got inf"),
+    (["--lr", "-1"], "argument --lr: must be at least 0, got -1"),
+    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    (["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
+    (["--momentum", "5"], "argument --momentum"),
+    (["--weight-decay", "-1"], "argument --weight-decay"),
+    (["--seed", "99999999999999999999"], "argument --seed: must be at least 0 and below 4294967296"),
+    (["--seed", "-1"], "argument --seed"),
+    (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+    (["--workers", "-1"], "argument --workers"),
+    (["--image-size", "3"], "argument --image-size: must be at least 7, got 3"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["--max-steps", "0"], "argument --max-steps"),
+    (["--clip-grad", "0"], "argument --clip-grad: must be above 0"),
+    (["--step-timeout", "0"], "argument --step-timeout: must be above 0"),
+    (["--synthetic-shape", "3x4"], "argument --synthetic-shape: invalid shape value: '3x4'"),
+    (["--synthetic-shape", "3x4x4"], "argument --synthetic-shape: must be CxHxW with C >= 1 and H, W >= 7"),
+    (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
+    (["--overwrite", "--resume", "auto"], "argument --resume: not allowed with argument --overwrite"),
+    (["--pretrained", "--weights", "w.pt"], "argument --weights: not allowed with argument --pretrained"),
+    (["--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights"),
 ])
-def test_validate_refuses_bad_flags(change, words):
-    with pytest.raises(common.UsageError, match=words.replace("(", r"\(")):
-        common.validate(defaults(**change))
+def test_the_parser_refuses_bad_flags_in_one_line(argv, words, capsys, monkeypatch):
+    assert words in refused(argv, capsys, monkeypatch)
 
 
-def test_validate_accepts_the_defaults_and_help_shows_them():
-    common.validate(defaults())
+def test_only_rank_0_says_why(capsys, monkeypatch):
+    """Every process of a launcher parses the same flags: one line in all, from rank 0; every rank exits 2."""
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        common.get_parser("").parse_args(["--momentum", "5"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_the_defaults_parse_and_help_shows_them():
+    args = common.get_parser("").parse_args([])
+    assert (args.batch_size, args.dataset, args.synthetic_shape) == (64, "synthetic", (1, 28, 28))
     text = common.get_parser("").format_help()
     assert "(default: 64)" in text and "(default: synthetic)" in text
-    with pytest.raises(SystemExit):
-        common.get_parser("").parse_args(["--dataset", "imagenet22k"])  # a choice, not free text
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_validates_before_it_builds(script, tmp_path):
+def test_every_script_refuses_bad_flags_before_it_builds(script, tmp_path):
     p = run(script, "--momentum", "5", "--out-dir", tmp_path / "out", check=False)
     assert_exit(p, 2)  # bad input
     assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr  # one line
-    assert p.stderr.startswith("error: --momentum") and not (tmp_path / "out").exists()
+    assert p.stderr.startswith("error: argument --momentum") and not (tmp_path / "out").exists()
 
 
 def write_images(root, counts, size=8):
@@ -74,12 +94,12 @@ def test_imagefolder_subsets_keep_every_class_in_proportion(tmp_path):
     write_images(tmp_path, {"train": {"a": 30, "b": 10}, "val": {"a": 6, "b": 6}})
     args = defaults(dataset="imagefolder", data_dir=str(tmp_path), train_size=8, val_size=4, image_size=8)
     train, val = common.load_data(args)
-    labels = lambda ds: sorted(label for _, label in ds.folder.samples)
+    labels = lambda ds: sorted(label for _, label in ds.samples)
     assert labels(train) == [0] * 6 + [1] * 2 and labels(val) == [0, 0, 1, 1]
     again, _ = common.load_data(args)
-    assert again.folder.samples == train.folder.samples  # seeded: the same on every rank and every run
+    assert again.samples == train.samples  # seeded: the same on every rank and every run
     other, _ = common.load_data(defaults(**{**vars(args), "seed": 1}))
-    assert other.folder.samples != train.folder.samples
+    assert other.samples != train.samples
     with pytest.raises(common.UsageError, match="--val-size 1 leaves a class without any val sample"):
         common.load_data(defaults(**{**vars(args), "val_size": 1}))
 
@@ -107,35 +127,37 @@ def test_one_class_is_refused(tmp_path):
 def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     empty = tmp_path / "last.pt"
     empty.write_bytes(b"")
-    with pytest.raises(common.UsageError, match="last.pt is not a readable checkpoint .*truncated or empty"):
+    with pytest.raises(common.UsageError, match="last.pt is not a readable checkpoint .*a truncated one"):
         common.read_checkpoint(str(empty))
     torch.save(common.make_model("cnn", 1, 10), tmp_path / "whole.pt")  # a pickled model, not a state_dict
-    with pytest.raises(common.UsageError, match=r"whole.pt holds Python objects.*state_dict\(\) instead$"):
+    with pytest.raises(common.UsageError, match=r"whole.pt is not a readable .*state_dict\(\) instead\)\?$"):
         common.read_checkpoint(str(tmp_path / "whole.pt"))
-    torch.save({"state_dict": common.make_model("cnn", 1, 10).state_dict()}, tmp_path / "lightning.pt")
-    args = types.SimpleNamespace(weights=str(tmp_path / "lightning.pt"), model="cnn", freeze_backbone=False)
-    assert len(common.load_weights(common.make_model("cnn", 1, 10), args, 1, 10)) == 8  # timm/Lightning layout
-    ten = {"model": common.make_model("cnn", 1, 10).state_dict(), "optimizer": {}, "args": {}, "global_batch": 64}
+    model = common.make_model("cnn", 1, 10)
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "lightning.pt")  # timm/Lightning layout
+    assert common.read_checkpoint(str(tmp_path / "lightning.pt"))[1].keys() == model.state_dict().keys()
+    ten = {"model": model.state_dict(), "optimizer": {}, "args": {}, "global_batch": 64}
     torch.save(ten, tmp_path / "ten.pt")
-    with pytest.raises(common.UsageError, match=r"fc2.weight is \(10, 128\) there, \(3, 128\) here"):
-        common.find_checkpoint(str(tmp_path / "ten.pt"), "", common.make_model("cnn", 1, 3), False, 64)
+    args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
+    with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes or channels"):
+        common.find_checkpoint(args, out, common.make_model("cnn", 1, 3), 64)
     with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
-        common.find_checkpoint(str(tmp_path / "ten.pt"), "", common.make_model("cnn", 1, 10), False, 32)
+        common.find_checkpoint(args, out, common.make_model("cnn", 1, 10), 32)
+    assert common.find_checkpoint(args, out, common.make_model("cnn", 1, 10), 64)["global_batch"] == 64
 
 
 def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
-    progress = common.Progress(10, 32, None, torch.device("cpu"), {"epoch": 1, "step_in_epoch": 3, "loss_sum": 6.0})
+    progress = common.Progress(10, 32, torch.device("cpu"), {"epoch": 1, "step_in_epoch": 3, "loss_sum": 6.0})
     assert (progress.step, progress.step_in_epoch) == (13, 3)  # format 1: steps only
-    state = progress.state(6.0)
+    state = progress.state(6.0, 0.0)
     assert state["format"] == 2 and state["samples_in_epoch"] == 96 and state["global_batch"] == 32
-    assert common.Progress(10, 32, None, torch.device("cpu"), state).step == 13
+    assert common.Progress(10, 32, torch.device("cpu"), state).step == 13
 
 
 @pytest.mark.slow
 def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path):
     out = tmp_path / "out"
     p = run("ddp_launch_train.py", *TINY, "--save-every", 2, "--max-steps", 3, "--out-dir", out)
-    assert "epoch 1 (stopped at step 3 of 8)  train_loss" in p.stdout, p.stdout
+    assert "epoch 0.375  train_loss" in p.stdout, p.stdout  # 3 of the epoch's 8 steps
     before = (out / "last.pt").read_bytes()
     p = run("ddp_launch_train.py", *TINY, "--max-steps", 3, "--resume", "auto", "--out-dir", out)
     assert "already at step 3 of --max-steps 3: nothing to train" in p.stdout and "epoch 1" not in p.stdout
@@ -145,28 +167,22 @@ def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path)
     assert "global batch of 12, this run's is 6" in p.stderr, p.stderr
     p = run("ddp_launch_train.py", *TINY, "--out-dir", out, check=False)  # a fresh run: it would replace last.pt
     assert_exit(p, 2)
-    assert "--resume auto continues it, --overwrite starts afresh" in p.stderr, p.stderr
+    assert "--resume auto continues it, --overwrite replaces it" in p.stderr, p.stderr
     assert (out / "last.pt").read_bytes() == before and [r["step"] for r in metrics(str(out))] == [3]
     run("ddp_launch_train.py", *TINY, "--overwrite", "--out-dir", out)
     assert checkpoint(str(out))["epoch"] == 1
 
 
-def test_an_out_dir_in_use_or_a_file_is_refused(tmp_path):
-    hold = ("import common, sys, time, types; common.claim_out_dir(sys.argv[1], types.SimpleNamespace(resume=None, "
-            "overwrite=False)); print(1, flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "busy")], cwd=ROOT, env=clean_env(),
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "1"
-        with pytest.raises(common.UsageError, match="in use by another run"):
-            common.claim_out_dir(str(tmp_path / "busy"), defaults())
-    finally:
-        holder.kill()
-        holder.wait()
-    common.claim_out_dir(str(tmp_path / "busy"), defaults())  # its holder is gone (killed): free again
+def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
+    """No lock on the folder (two live runs into one --out-dir are not refused): what is refused before anything is
+    written is a fresh run where an earlier run's last.pt is
+    (test_resume_refuses_another_global_batch_and_max_steps_is_a_budget) and an --out-dir that cannot be a folder."""
     (tmp_path / "file").write_text("")
-    with pytest.raises(common.UsageError, match="--out-dir .*file: File exists: give a folder"):
-        common.claim_out_dir(str(tmp_path / "file"), defaults())
+    for out in (tmp_path / "file", tmp_path / "file" / "out"):
+        p = run("ddp_launch_train.py", *TINY, "--out-dir", out, check=False)
+        assert_exit(p, 2)
+        assert p.stderr.startswith(f"error: --out-dir {out}: ") and len(p.stderr.splitlines()) == 1, p.stderr
+    assert os.listdir(tmp_path) == ["file"] and (tmp_path / "file").read_text() == ""
 
 
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py"])
@@ -178,10 +194,12 @@ def test_the_one_process_scripts_refuse_torchrun(script, tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_spawn_usage_errors_exit_2(tmp_path):
-    p = run("ddp_spawn_train.py", "--batch-size", 0, "--out-dir", tmp_path, check=False)
+@pytest.mark.parametrize("flag", ["--batch-size", "--nprocs"])
+def test_spawn_usage_errors_exit_2(tmp_path, flag):
+    p = run("ddp_spawn_train.py", flag, 0, "--out-dir", tmp_path, check=False)
     assert_exit(p, 2)
-    assert p.stderr.strip() == "error: --batch-size must be at least 1, got 0", p.stderr
+    assert p.stderr == f"error: argument {flag}: must be at least 1, got 0 (see ddp_spawn_train.py --help)\n", p.stderr
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.slow
