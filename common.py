@@ -64,8 +64,11 @@ def shape(text):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # bad flags: one line, once (not once per process of a launcher), exit 2
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
             print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        else:
+            time.sleep(0.5)  # rank 0 says why before the others exit
         sys.exit(2)
 
     def parse_args(self, *a, **kw):  # and the checks of more than one flag, or of this machine
@@ -79,9 +82,13 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action):  # the docstring as written, and each flag's default where it has one
+        return action.help + (" (default: %(default)s)" if action.default not in (None, False, argparse.SUPPRESS) else "")
+
+
 def get_parser(doc):
-    p = Parser(description=doc, formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                                    argparse.ArgumentDefaultsHelpFormatter), {}))
+    p = Parser(description=doc, formatter_class=Formatter)
     a, positive = p.add_argument, number(int, 1)
     a("--dataset", default="synthetic", choices=["synthetic", "mnist", "cifar10", "imagefolder"],
       help="synthetic (offline, MNIST-shaped), or with train_extras/datasets.py: mnist, cifar10, imagefolder")
@@ -171,10 +178,11 @@ def synthetic(n, seed, shape):
     shifts, contrast and noise."""
     c, h, w = shape
     templates = F.interpolate(torch.randn(10, c, 7, 7, generator=torch.Generator().manual_seed(seed % 10**6)),
-                              size=(h + 8, w + 8), mode="bilinear", align_corners=False)
-    g = torch.Generator().manual_seed(seed)
-    y, dy, dx = (torch.randint(0, k, (n,), generator=g) for k in (10, 9, 9))
-    x = torch.stack([templates[y[i], :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+                              size=(h, w), mode="bilinear", align_corners=False)
+    g, pad = torch.Generator().manual_seed(seed), min(h, w) // 7
+    y, shifts = torch.randint(0, 10, (n,), generator=g), torch.randint(0, 2**31 - 1, (n,), generator=g)
+    dy, dx, padded = (shifts >> 1) % (2 * pad + 1), (shifts >> 9) % (2 * pad + 1), F.pad(templates[y], (pad,) * 4)
+    x = torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
     return x * (0.5 + torch.rand(n, 1, 1, 1, generator=g)) + 1.2 * torch.randn(n, c, h, w, generator=g), y
 
 

@@ -114,14 +114,16 @@ def resume(run):
     progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.find_checkpoint(run.args, run.out_dir, run.raw_model, run.global_batch),
                            run.rank)
-    meta = [{k: v for k, v in ckpt.items() if k not in ("model", "optimizer")} if ckpt else None]
+    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's broadcast fails on it
+    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     if meta[0]:
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
-        set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"] if run.rank == 0 else {},
-                                 options=options)
+        whole = meta[0].get("optimizer")  # then on every rank already
+        set_optimizer_state_dict(run.raw_model, run.optimizer, whole or (ckpt["optimizer"] if run.rank == 0 else {}),
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not whole))
         run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run.rank, run.world_size, run.args.seed, run.device)
@@ -244,8 +246,8 @@ def main(args):
             t1 = time.time()
             val = evaluate(run)
             if master:
-                row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "eval_time_s":
-                       time.time() - t1, "world_size": run.world_size, "grad_norm": grad_norm if args.clip_grad else None}
+                row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
+                       run.world_size, "eval_time_s": time.time() - t1, "grad_norm": args.clip_grad and grad_norm}
                 common.log_epoch(run.out_dir, writer, progress, row)
             save(run)
             if progress.step == args.max_steps:
