@@ -186,9 +186,9 @@ def resume(run):
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
-        whole = meta[0].get("optimizer")  # then on every rank already
+        whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
         set_optimizer_state_dict(run.raw_model, run.optimizer, whole or (ckpt["optimizer"] if run.rank == 0 else {}),
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not whole))
+                                 options=StateDictOptions() if whole else options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run.rank, run.world_size, run.args.seed, run.device)
