@@ -499,9 +499,15 @@ def run(main, args, rank):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
         if getattr(e, "print_it", rank == 0):
             print(e if isinstance(e, Stopped) else f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(0.5)  # rank 0 says why before the others exit
-        sys.exit(e.code)
+        # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,
+        # and one that has not reached run() yet dies of the SIGTERM that torchrun sends once a first one exits
+        time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if getattr(e, "print_it", rank == 0)
+                   else 0.5)
+        dist.destroy_process_group() if dist.is_initialized() else None
+        # and without the interpreter's teardown, where gloo's threads, freeing a collective's tensors, now and then
+        # hang the process (torch 2.11: 1 in about 8 two-process NaN stops). Upstream: pytorch/pytorch#190489
+        sys.stdout.flush()
+        os._exit(e.code)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

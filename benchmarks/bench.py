@@ -79,8 +79,8 @@ def bare_loop(a):
     args = common.get_parser("").parse_args(script_flags(a) + ["--batch-size", str(a.batch_size)])
     fmt = torch.channels_last if a.channels_last else torch.contiguous_format
     train_set, _ = common.load_data(args)
-    if device.type == "cuda":  # as the scripts' loader does (common.make_loader): on the GPU, copied once
-        train_set.tensors = tuple(t.to(device) for t in train_set.tensors)
+    if device.type == "cuda" and sum(t.nbytes for t in train_set.tensors) < 2**32:  # as common.make_loader does:
+        train_set.tensors = tuple(t.to(device) for t in train_set.tensors)  # on the GPU if it fits, copied once
     torch.manual_seed(args.seed)
     model = common.make_model(a.model, *common.channels_and_classes(train_set)).to(device, memory_format=fmt)
     if a.compile:
@@ -90,7 +90,7 @@ def bare_loop(a):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
     model.train()
     for step in range(a.steps):
-        x, y = train_set[order[step].to(train_set.tensors[0].device)]
+        x, y = (t.to(device, non_blocking=True) for t in train_set[order[step].to(train_set.tensors[0].device)])
         x = x.contiguous(memory_format=fmt)
         with autocast:
             loss = F.cross_entropy(model(x), y)

@@ -3,8 +3,8 @@ test acts in exact: a rank that waits at a given step, or stops answering there,
 half-written, a sharded save that waits after writing its part, slow steps. The hooks are a sitecustomize.py on
 PYTHONPATH, so that they reach every Python process of a run (torchrun's workers, mp.spawn's children, srun's tasks).
 They patch only torch's and Python's own functions (an optimizer step hook, torch.save, DCP's
-FileSystemWriter.write_data, signal.signal, sys.exit), never the scripts' code: they mean the same whatever common.py
-does inside.
+FileSystemWriter.write_data, signal.signal, sys.exit, os._exit), never the scripts' code: they mean the same whatever
+common.py does inside.
 
 Every hook leaves a mark, a file in the folder TEST_HOOKS names, and those that wait go on once the test creates the
 file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
@@ -12,7 +12,7 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
     steps-rank<r>          optimizer steps taken so far by rank r (this process's: a resumed run counts from 0)
     paused-rank<r>         rank r waits after its optimizer step TEST_PAUSE_AT (the file holds its pid)
     handled-<SIG>-<pid>    process pid has taken signal SIG: its Python handler is running
-    exit-rank<r>           rank r called sys.exit in its process group: the status it asked for
+    exit-rank<r>           rank r, having trained, called sys.exit or os._exit: the status it asked for
     saving-rank<r>         the TEST_STALL_SAVE-th checkpoint that rank r writes with torch.save is half on disk (JSON:
                            path, bytes written, bytes in all, pid): the other half follows `go-save`
     stalled-rank<r>        rank r's part of a sharded (DCP) save, from the TEST_STALL_DCP-th on, is written, but
@@ -70,13 +70,15 @@ def _install():
         return _signal(signum, handler)
     signal.signal = _marking_signal
 
-    _exit = sys.exit
+    _trained_as = []  # the rank of this process, once it has taken an optimizer step: a rank, not a launcher
 
-    def _marking_exit(code=None):  # a rank's status, where no test can wait for it (torchrun's workers)
-        if dist.is_available() and dist.is_initialized():  # a rank: not a launcher
-            _mark(f"exit-rank{_rank()}", str(code))
-        _exit(code)
-    sys.exit = _marking_exit
+    def _marking_exit(exit):  # a rank's status, where no test can wait for it (torchrun's workers)
+        def marked(code=None):
+            if _trained_as:
+                _mark(f"exit-rank{_trained_as[0]}", str(code))
+            exit(code)
+        return marked
+    sys.exit, os._exit = _marking_exit(sys.exit), _marking_exit(os._exit)
 
     import torch
     import torch.distributed as dist
@@ -92,6 +94,7 @@ def _install():
     def _after_step(optimizer, args, kwargs):
         _steps[0] += 1
         rank = _rank()
+        _trained_as[:] = [rank]
         _mark(f"steps-rank{rank}", str(_steps[0]))
         if _steps[0] == _pause_at:
             _mark(f"paused-rank{rank}", str(os.getpid()))
@@ -261,7 +264,7 @@ class Hooks:
         return {r: int(text) for r, text in self.ranks("paused").items()}
 
     def exits(self):
-        """{rank: the status it asked sys.exit for} (its own status, unless a signal killed it first)."""
+        """{rank: the status it asked sys.exit or os._exit for} (its own, unless a signal killed it first)."""
         return {r: int(text) for r, text in self.ranks("exit").items()}
 
     def handled(self, pid, sig):

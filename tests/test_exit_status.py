@@ -107,7 +107,7 @@ def hand_launched(tmp_path, *args, env=None, nproc=2, wait_for=0):
             while ranks.procs[wait_for].poll() is None and not taken() and time.monotonic() < deadline:
                 time.sleep(0.1)
             if not taken() or attempt == 4:
-                ranks.wait(wait_for)
+                ranks.wait(wait_for, timeout=max(1, deadline - time.monotonic()))
                 yield ranks
                 return
         finally:

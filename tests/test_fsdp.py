@@ -1,12 +1,14 @@
 """fsdp_train.py end to end on CPU/gloo, under real torchrun (one process: plain python). It trains exactly like
 ddp_launch_train.py (same weights, same validation numbers) at 1, 2 and 3 processes, BatchNorm included; each rank
 holds 1/N of the parameters, gradients and optimizer state; last.pt moves between FSDP and DDP runs of other sizes;
-bf16 learns as well as fp32; bad input stops every rank with one line. Runs are made on first use and shared by the
-tests (module-scoped)."""
+sharded checkpoints (ckpt-<step> folders) reshard between process counts and HSDP, and reach DDP through
+`python -m train_extras.sharded`; bf16 learns as well as fp32; bad input stops every rank with one line. Runs are
+made on first use and shared by the tests (module-scoped)."""
 import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 import common
 from conftest import ROOT, assert_exit, checkpoint, clean_env, max_diff, metrics, run
 from test_proof import assert_same_training
+from train_extras.sharded import to_file
 
 FSDP, DDP = "fsdp_train.py", "ddp_launch_train.py"
 # 384 samples, global batch 24: 16 steps per epoch. 97 validation samples: with 2 and 3 processes one rank has a
@@ -130,9 +133,10 @@ def evaluate_alone(ckpt):
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
-        out = model(val_set.x)
-    return F.cross_entropy(out.double(), val_set.y, reduction="sum").item() / len(val_set), \
-        (out.argmax(1) == val_set.y).double().mean().item()
+        x, y = val_set.tensors
+        out = model(x)
+    return F.cross_entropy(out.double(), y, reduction="sum").item() / len(val_set), \
+        (out.argmax(1) == y).double().mean().item()
 
 
 @pytest.mark.slow
@@ -198,12 +202,25 @@ def test_checkpoint_crosses_over(runs, first, second, measured):
 
 
 # ---- 3b. sharded checkpoints (--ckpt-format dcp) reshard on load: any script, any number of processes, HSDP too
+def newest_folder(out_dir):
+    """The ckpt-<step> folder of the highest step in out_dir (what the leg that just ended saved last)."""
+    steps = [int(n[len("ckpt-"):]) for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n)]
+    assert steps, os.listdir(out_dir)
+    return os.path.join(out_dir, f"ckpt-{max(steps)}")
+
+
 def newest_sharded(out_dir, tmp_path):
-    """The newest ckpt-<step> folder in out_dir, converted to a last.pt and read."""
-    path = common.newest_checkpoint(str(out_dir))
-    assert os.path.isdir(path), path
-    common.sharded_to_file(path, str(tmp_path / "converted.pt"))
+    """The newest ckpt-<step> folder in out_dir, converted to a last.pt (train_extras.sharded.to_file, what the
+    command runs) and read with weights_only=True."""
+    to_file(newest_folder(out_dir), str(tmp_path / "converted.pt"))
     return checkpoint(str(tmp_path / "converted.pt"))
+
+
+def convert(src, dst):
+    """The documented conversion, as a user runs it: `python -m train_extras.sharded SRC DST`, one process."""
+    p = subprocess.run([sys.executable, "-m", "train_extras.sharded", str(src), str(dst)], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and os.path.isfile(dst), (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
 
 
 FILE = "last.pt"  # a leg that resumes the newest sharded folder after converting it to one file, as docs/usage.md says
@@ -227,7 +244,7 @@ def test_sharded_checkpoints_move_between_process_counts(runs, legs, tmp_path, m
     out = tmp_path / "out"
     for (script, nproc, extra), stop in zip(legs, [10, 21, None]):
         if extra == FILE:
-            common.sharded_to_file(common.newest_checkpoint(str(out)), str(out / "last.pt"))
+            convert(newest_folder(out), out / "last.pt")
         dcp = [] if extra == FILE else ["--ckpt-format", "dcp", *extra]
         launch(script, nproc, [*CNN, "--batch-size", 24 // nproc, *dcp, "--resume", "auto", "--out-dir", out,
                                *(["--max-steps", stop] if stop else [])])
@@ -294,8 +311,6 @@ def test_bf16_batchnorm_computes_in_fp32_and_convolutions_in_bf16():
     assert seen == {("BatchNorm2d", fp32, fp32, bf16), ("Conv2d", bf16, bf16, bf16), ("Linear", bf16, bf16, bf16)}
 
 
-@pytest.mark.slow
-@pytest.mark.floor
 @pytest.mark.slow
 @pytest.mark.floor
 def test_bf16_trains_a_batchnorm_model(runs):

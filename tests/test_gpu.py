@@ -164,13 +164,8 @@ def test_the_default_run_on_the_gpu_matches_the_cpu(runs, script, record_propert
     assert [r["step"] for r in gpu.rows] == [r["step"] for r in cpu.rows]
     assert [sorted(r) for r in gpu.rows] == [sorted(r) for r in cpu.rows]  # the same metrics, with ...
     assert gpu.rows[-1]["world_size"] == 1 and gpu.rows[-1]["val_count"] == cpu.rows[-1]["val_count"]
-    peak = gpu.rows[-1]["peak_mem_mb"]  # ... GPU memory where it is on a GPU (dp_train.py: a list, one per GPU)
-    if not CUDA:
-        assert peak is None and cpu.rows[-1]["peak_mem_mb"] is None  # none on the CPU
-    elif script == DP:
-        assert isinstance(peak, list) and len(peak) == 1 and peak[0] > 0, peak
-    else:
-        assert peak > 0 and cpu.rows[-1]["peak_mem_mb"] is None, peak
+    peak = gpu.rows[-1]["peak_mem_mb"]  # ... GPU memory where it is on a GPU (dp_train.py: its first GPU's)
+    assert cpu.rows[-1]["peak_mem_mb"] is None and (peak > 0 if CUDA else peak is None), (peak, cpu.rows[-1])
     if script == DP:
         assert ("dp: GPUs [0]" if CUDA else "dp: no GPU, training on the CPU") in gpu.proc.stdout
     else:
@@ -321,7 +316,7 @@ def test_dp_scatters_to_two_replicas_on_one_gpu(tmp_path):
     assert first["n"] == 24 and [r["n"] for r in pair] == [12, 12]
     assert all(r["device"] == "cuda:0" for r in pair)
     assert pair[0]["loss_sum"] + pair[1]["loss_sum"] == pytest.approx(first["loss_sum"], rel=1e-5)
-    assert len(two.rows[-1]["peak_mem_mb"]) == 2
+    assert two.rows[-1]["peak_mem_mb"] > 0  # GPU 0's
     assert max_diff(two.ckpt["model"], one.ckpt["model"]) <= TOL
 
 

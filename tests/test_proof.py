@@ -14,7 +14,6 @@ state, for equality; losses and accuracies agree within their own measured noise
 """
 import math
 import os
-import re
 import types
 
 import pytest
@@ -297,8 +296,9 @@ def assert_same_metrics(a, b):
     assert len(a) == len(b)
     for ra, rb in zip(strip_timings(a), strip_timings(b)):
         assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=1e-9, abs=1e-12), (k, ra, rb)
+        for k in ra:  # numbers within 1e-9 (relative); anything else (a grad_norm of None) equal
+            same = ra[k] == pytest.approx(rb[k], rel=1e-9, abs=1e-12) if isinstance(rb[k], float) else ra[k] == rb[k]
+            assert same, (k, ra, rb)
 
 
 def resume_case(tmp_path, first, then, stop_at):
@@ -352,9 +352,9 @@ def test_a_resume_one_step_off_is_caught(proof_run, tmp_path, off):
         assert_same_training(str(tmp_path / "b"), proof_run("launch1"), tol=math.inf, momentum_tol=math.inf, loss_tol=math.inf)
 
 
-def test_rng_states_are_restored_per_rank_or_reseeded_with_a_note(capsys):
+def test_rng_states_are_restored_per_rank_or_reseeded():
     """Each rank gets its own saved generators back; at another world size, or from an older checkpoint, each rank
-    is seeded from (seed, position, rank) instead, and rank 0 says so."""
+    is seeded from (seed, position, rank) instead."""
     cpu = torch.device("cpu")
 
     def draws(seed):
@@ -363,22 +363,23 @@ def test_rng_states_are_restored_per_rank_or_reseeded_with_a_note(capsys):
     (a, after_a), (b, after_b) = draws(1), draws(2)
     saved = {"rng": [a, b], "epoch": 1, "step_in_epoch": 5}
     common.restore_rng(saved, 1, 2, 0, cpu)
-    assert torch.equal(torch.rand(3), after_b) and capsys.readouterr().out == ""  # rank 1's own, silently
+    assert torch.equal(torch.rand(3), after_b)  # rank 1's own
     common.restore_rng(saved, 0, 2, 0, cpu)
     assert torch.equal(torch.rand(3), after_a)  # and rank 0's
     seeded = []
     for rank in (0, 1, 2):
         common.restore_rng(saved, rank, 3, 0, cpu)
         seeded.append(torch.rand(3))
-    out = capsys.readouterr().out  # said once, by rank 0: seeded, and why (2 saved states, 3 processes)
-    assert re.fullmatch(r"[^\n]*seeded[^\n]*\b2\b[^\n]*\b3\b[^\n]*\n", out), out
     assert not torch.equal(seeded[0], seeded[1]) and not torch.equal(seeded[1], seeded[2])  # a stream per rank
+    assert not any(torch.equal(s, after) for s in seeded for after in (after_a, after_b))  # not a saved one
     common.restore_rng(saved, 1, 3, 0, cpu)
     assert torch.equal(torch.rand(3), seeded[1])  # and a function of (seed, position, rank) alone
     common.restore_rng({**saved, "step_in_epoch": 6}, 1, 3, 0, cpu)
     assert not torch.equal(torch.rand(3), seeded[1])  # the position is part of it
-    common.restore_rng({"epoch": 1, "step_in_epoch": 5}, 0, 1, 0, cpu)  # a checkpoint without states
-    assert "seeded" in capsys.readouterr().out
+    common.restore_rng(saved, 1, 3, 1, cpu)
+    assert not torch.equal(torch.rand(3), seeded[1])  # and the seed
+    common.restore_rng({"epoch": 1, "step_in_epoch": 5}, 1, 3, 0, cpu)  # a checkpoint without states
+    assert torch.equal(torch.rand(3), seeded[1])
 
 
 @pytest.mark.slow

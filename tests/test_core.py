@@ -1,0 +1,448 @@
+"""The tiny core: one script plus common.py is what a copier carries. Each script, copied with common.py alone into an
+empty folder and edited the way a copier would (the model and data lines swapped for the copier's own map-style
+Dataset and nn.Module, with dropout, in a mine.py beside it), keeps every guarantee under 2 processes (dp_train.py in
+one): it learns, a resume lands bit for bit where an unbroken run does, a NaN stops every rank at one step, a SIGTERM
+saves at a step every rank agrees on, and an extra that was not copied (--dataset mnist) is one line and exit 2.
+
+Also: every script's default CPU run on a Python without the Linux-only APIs (simulated by a sitecustomize.py), and a
+non-image model (a Transformer encoder over int64 tokens) trained through copied ddp_launch_train.py and
+fsdp_train.py with --channels-last given (ignored: no images).
+
+The moments are made exact by mine.py itself, through environment variables it reads: the copier's model makes the
+loss NaN (MINE_NAN_AT), or sends its own process SIGTERM (MINE_SIGTERM_AT), in the forward of that training step on
+rank MINE_RANK, and counts the training steps each rank began (MINE_STEPS_DIR): where every rank stopped."""
+import difflib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, kill_tree, max_diff,
+                      metrics)
+
+SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process)
+    "ddp_launch_train.py": "torchrun",
+    "ddp_spawn_train.py": "spawn",
+    "ddp_amp_train.py": "torchrun",
+    "fsdp_train.py": "torchrun",
+    "dp_train.py": "python",
+}
+PROCESSES = {"torchrun": 2, "spawn": 2, "python": 1}
+
+# ---- the copier's own data and model: a map-style Dataset of (float tensor, int label), no `classes` attribute, and
+# an MLP with dropout (which draws from each rank's generator: a resume must restore them to be exact)
+MINE = r'''
+"""My own data and model."""
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+
+class Points(Dataset):
+    """n points in 16 dimensions around 4 class centres."""
+
+    def __init__(self, n, seed):
+        centres = 1.5 * torch.randn(4, 16, generator=torch.Generator().manual_seed(1234))
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        self.x = centres[self.y] + torch.randn(n, 16, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def load_data(args):
+    return Points(args.train_size or 512, 1), Points(args.val_size or 200, 2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.training:  # the test's hooks: the loss NaN, or SIGTERM to this process, at a training step
+            self.calls += 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if os.environ.get("MINE_STEPS_DIR"):  # the training steps this rank began
+                with open(os.path.join(os.environ["MINE_STEPS_DIR"], f"rank{rank}"), "w") as f:
+                    f.write(str(self.calls))
+            if rank == int(os.environ.get("MINE_RANK", "0")):
+                if self.calls == int(os.environ.get("MINE_NAN_AT", "0")):
+                    out = out * float("nan")
+                if self.calls == int(os.environ.get("MINE_SIGTERM_AT", "0")):
+                    os.kill(os.getpid(), signal.SIGTERM)
+        return out
+'''
+
+# ---- a non-image model: a 2-layer Transformer encoder over int64 tokens (with a `classes` attribute this time)
+MINE_TEXT = r'''
+"""My own data and model: sequences of int64 tokens; the class is the token sprinkled among random ones."""
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+LENGTH, VOCAB = 12, 32
+
+
+class Tokens(Dataset):
+    classes = ["zero", "one", "two"]
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.x = torch.randint(3, VOCAB, (n, LENGTH), generator=g)
+        marks = torch.rand(n, LENGTH, generator=g) < 0.3
+        marks[torch.arange(n), torch.randint(0, LENGTH, (n,), generator=g)] = True
+        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def load_data(args):
+    return Tokens(args.train_size or 1024, 1), Tokens(args.val_size or 256, 2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.position = nn.Parameter(0.02 * torch.randn(LENGTH, 32))
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, tokens):
+        assert tokens.dtype == torch.int64 and tokens.ndim == 2, (tokens.dtype, tokens.shape)
+        return self.head(self.encoder(self.embed(tokens) + self.position).mean(1))
+'''
+
+
+def swap_calls(source, name, replacement):
+    """`source` with every call `name(...)` (its parentheses balanced) replaced by `replacement`, and how many."""
+    count = 0
+    while (start := source.find(name + "(")) >= 0:
+        depth = 0
+        for end in range(start + len(name), len(source)):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            if depth == 0:
+                break
+        source, count = source[:start] + replacement + source[end + 1:], count + 1
+    return source, count
+
+
+def copy_alone(folder, script, mine=None):
+    """`script` and common.py alone in `folder` (made here, empty); with `mine`, a copier's edit: mine.py beside them
+    and the script's model and data lines swapped for its Net() and load_data(args). The edit must stay small."""
+    folder.mkdir()
+    shutil.copy(os.path.join(ROOT, "common.py"), folder)
+    source = open(os.path.join(ROOT, script)).read()
+    if mine is not None:
+        (folder / "mine.py").write_text(mine)
+        edited, models = swap_calls(source, "common.make_model", "mine.Net()")
+        edited, datas = swap_calls(edited, "common.load_data", "mine.load_data(args)")
+        edited, imports = re.subn(r"^import common$", "import common\nimport mine", edited, flags=re.M)
+        assert (models, imports) == (1, 1) and datas in (1, 2), \
+            f"{script}: {models} make_model calls, {datas} load_data calls, {imports} `import common` lines"
+        changed = [line for line in difflib.unified_diff(source.splitlines(), edited.splitlines(), lineterm="", n=0)
+                   if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+        assert len(changed) <= 7, f"{script}: swapping the model and data is not a small edit:\n" + "\n".join(changed)
+        source = edited
+    (folder / script).write_text(source)
+    assert sorted(os.listdir(folder)) == sorted(["common.py", script] + (["mine.py"] if mine else []))
+    return folder
+
+
+def launch(folder, script, *args, how="python", env=None, unset=(), timeout=TIMEOUT):
+    """`script` in `folder` (its working directory, and the only place its imports come from): plain python,
+    `--nprocs 2` (spawn), or torchrun with 2 processes (its rendezvous on a port it picks). The environment is
+    clean_env's plus `env`, less the variables `unset`. On timeout, every process it started is killed."""
+    if how == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *LAUNCHER_PICKS_PORT, script]
+    else:
+        cmd = [sys.executable, script] + (["--nprocs", "2"] if how == "spawn" else [])
+    cmd += [str(a) for a in args]
+    environment = clean_env(**(env or {}))
+    for name in unset:
+        environment.pop(name, None)
+    p = subprocess.Popen(cmd, cwd=folder, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(p.pid)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def ok(p):
+    assert p.returncode == 0, f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p
+
+
+def tracebacks(p):
+    """A Python traceback of the script's own processes (torchrun's own ChildFailedError report is not one)."""
+    output = p.stdout + p.stderr
+    if "torch.distributed.run" in p.args:
+        return re.findall(r"^\[rank\d+\]:? ?Traceback", output, re.M)
+    return re.findall(r"^Traceback", output, re.M)
+
+
+def error_lines(p):
+    return [line for line in (p.stdout + p.stderr).splitlines() if re.match(r"(\[rank\d+\]:? ?)?error: ", line)]
+
+
+# ---- 1. copied alone, with the copier's own Dataset and model
+# 512 samples; global batch 32 (16 per process, 32 in dp's one): 16 steps an epoch, 2 epochs. The data is read in
+# each process (--workers 0), but for the run of test_..._it_learns_..., which reads it with the default 2 workers
+# per process: ddp_spawn_train.py's children start theirs with the `spawn` method, anew for each loader and epoch,
+# which takes minutes on a busy 2-core machine
+TINY = ["--train-size", 512, "--val-size", 200, "--epochs", 2, "--lr", 0.05]
+STEPS_PER_EPOCH, STEPS = 16, 32
+
+
+def flags(script, workers=0):
+    return [*TINY, "--batch-size", 32 // PROCESSES[SCRIPTS[script]]] + (["--workers", workers] if workers != 2 else [])
+
+
+def steps_taken(folder):
+    """{rank: training steps it began}, as mine.py counted them (MINE_STEPS_DIR)."""
+    return {int(f.name[4:]): int(f.read_text()) for f in folder.glob("rank*")}
+
+
+def position(ckpt):
+    return ckpt["epoch"] * STEPS_PER_EPOCH + ckpt["step_in_epoch"]
+
+
+@pytest.fixture(scope="module")
+def mine_copy(tmp_path_factory):
+    """get(script): a folder holding the script (edited to use mine.py), common.py and mine.py; made once."""
+    made = {}
+
+    def get(script):
+        if script not in made:
+            made[script] = copy_alone(tmp_path_factory.mktemp("copy") / "project", script, MINE)
+        return made[script]
+    return get
+
+
+@pytest.fixture(scope="module")
+def unbroken(mine_copy, tmp_path_factory):
+    """get(script): the out dir of one unbroken 2-epoch run of the copy (--workers 0); made once."""
+    made = {}
+
+    def get(script):
+        if script not in made:
+            out = tmp_path_factory.mktemp("unbroken")
+            ok(launch(mine_copy(script), script, *flags(script), "--out-dir", out, how=SCRIPTS[script]))
+            made[script] = out
+        return made[script]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_copied_alone_with_my_dataset_and_model_it_learns_and_rank_0_logs_once(script, mine_copy, unbroken,
+                                                                                tmp_path):
+    """The default --workers 2: my Dataset read by DataLoader worker processes, which import mine.py too."""
+    out = tmp_path / "run"
+    p = ok(launch(mine_copy(script), script, *flags(script, workers=2), "--out-dir", out, how=SCRIPTS[script]))
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2], rows  # one row per epoch: written by rank 0 alone
+    assert [r["step"] for r in rows] == [STEPS_PER_EPOCH, STEPS]
+    assert all(r["val_count"] == 200 for r in rows), rows  # every validation sample once
+    assert rows[-1]["val_acc"] > 0.6, rows  # chance is 0.25
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"], rows
+    assert len(re.findall(r"^epoch 2 ", p.stdout, re.M)) == 1, p.stdout  # printed once, not once per process
+    assert not tracebacks(p), p.stderr[-3000:]
+    ckpt = checkpoint(str(out))
+    assert position(ckpt) == STEPS
+    # read by workers or in the process: the same samples in the same order, the same training
+    assert max_diff(ckpt["model"], checkpoint(str(unbroken(script)))["model"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_copied_alone_a_resume_mid_epoch_ends_bit_for_bit_where_an_unbroken_run_does(script, mine_copy, unbroken,
+                                                                                      tmp_path):
+    """--max-steps 21 (mid-epoch 2), then --resume auto to the end: the weights, the optimizer state (momentum) and
+    the validation numbers equal the unbroken run's exactly. Dropout draws differ unless every rank's generator is
+    restored."""
+    folder, how, out = mine_copy(script), SCRIPTS[script], tmp_path / "run"
+    ok(launch(folder, script, *flags(script), "--out-dir", out, "--max-steps", 21, how=how))
+    assert position(checkpoint(str(out))) == 21
+    p = ok(launch(folder, script, *flags(script), "--out-dir", out, "--resume", "auto", how=how))
+    assert "resuming at step 21" in p.stdout, p.stdout[-3000:]
+    resumed, reference = checkpoint(str(out)), checkpoint(str(unbroken(script)))
+    assert position(resumed) == STEPS
+    assert max_diff(resumed["model"], reference["model"]) == 0
+    assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
+    last, expected = metrics(out)[-1], metrics(unbroken(script))[-1]
+    assert (last["epoch"], last["val_loss"], last["val_acc"]) == (expected["epoch"], expected["val_loss"],
+                                                                  expected["val_acc"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_copied_alone_a_nan_loss_on_one_rank_stops_every_rank_at_one_step_with_one_line(script, mine_copy, tmp_path):
+    """The loss NaN at step 3 on the last rank only: every process exits 1, one `error:` line names step 3, and no
+    checkpoint was written after it (the first save is at step 16)."""
+    how, out = SCRIPTS[script], tmp_path / "run"
+    p = launch(mine_copy(script), script, *flags(script), "--out-dir", out, how=how,
+               env={"MINE_NAN_AT": "3", "MINE_RANK": str(PROCESSES[how] - 1), "MINE_STEPS_DIR": str(tmp_path)})
+    assert_exit(p, 1, nproc=2 if how == "torchrun" else None)
+    taken = steps_taken(tmp_path)
+    assert len(taken) == PROCESSES[how] and len(set(taken.values())) == 1 and 3 <= taken[0] <= STEPS_PER_EPOCH, taken
+    lines = error_lines(p)
+    assert len(lines) == 1 and "NaN" in lines[0] and "step 3" in lines[0], p.stdout[-2000:] + p.stderr[-4000:]
+    assert not tracebacks(p), p.stderr[-4000:]
+    assert not (out / "last.pt").exists()
+    assert not os.path.exists(out / "metrics.jsonl") or metrics(out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_copied_alone_sigterm_to_one_rank_saves_at_an_agreed_step_exits_143_and_the_resume_is_exact(
+        script, mine_copy, unbroken, tmp_path):
+    """SIGTERM to the last rank in its 7th training step (to the one process of dp_train.py): every rank stops at
+    one step N >= 7, whose checkpoint was saved (`stopped by SIGTERM at step N`, last.pt at N); the exit status is
+    143 (under torchrun: each worker's); --resume auto from it ends exactly where the unbroken run does."""
+    folder, how, out = mine_copy(script), SCRIPTS[script], tmp_path / "run"
+    p = launch(folder, script, *flags(script), "--out-dir", out, how=how,
+               env={"MINE_SIGTERM_AT": "7", "MINE_RANK": str(PROCESSES[how] - 1), "MINE_STEPS_DIR": str(tmp_path)})
+    assert_exit(p, 143, nproc=2 if how == "torchrun" else None)
+    output = p.stdout + p.stderr
+    steps = [int(s) for s in re.findall(r"stopped by SIGTERM at step (\d+)", output)]
+    assert len(steps) == 1 and 7 <= steps[0] < STEPS, output[-4000:]  # said once, by rank 0
+    assert steps_taken(tmp_path) == {rank: steps[0] for rank in range(PROCESSES[how])}  # where every rank stopped
+    assert not tracebacks(p) and not error_lines(p), output[-4000:]
+    assert position(checkpoint(str(out))) == steps[0]  # saved there, after the signal
+    p = ok(launch(folder, script, *flags(script), "--out-dir", out, "--resume", "auto", how=how))
+    assert f"resuming at step {steps[0]}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = checkpoint(str(out)), checkpoint(str(unbroken(script)))
+    assert max_diff(resumed["model"], reference["model"]) == 0
+    assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_copied_alone_an_extra_not_copied_is_one_line_and_exit_2(script, tmp_path):
+    """No train_extras/ beside the script: --dataset mnist names train_extras/datasets.py in one line, exit 2 (under
+    torchrun: every worker's), no traceback, nothing downloaded."""
+    folder, how = copy_alone(tmp_path / "project", script), SCRIPTS[script]
+    p = launch(folder, script, "--dataset", "mnist", "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "run",
+               how=how)
+    assert_exit(p, 2, nproc=2 if how == "torchrun" else None)
+    lines = error_lines(p)
+    assert len(lines) == 1 and "train_extras/datasets.py" in lines[0], p.stdout[-2000:] + p.stderr[-4000:]
+    assert not tracebacks(p), p.stderr[-4000:]
+    assert not (tmp_path / "data").exists()
+
+
+# ---- 2. a Python without the Linux-only APIs
+NOT_LINUX = r'''
+"""A Python without Linux's os.sched_getaffinity, fcntl, resource, SIGUSR1/SIGUSR2/SIGHUP/SIGQUIT and
+faulthandler.register. torchrun itself is left whole: the simulation is of the scripts' processes."""
+import faulthandler
+import os
+import signal
+import sys
+
+if "torch.distributed.run" not in sys.orig_argv:
+    del os.sched_getaffinity
+    sys.modules["fcntl"] = sys.modules["resource"] = None  # `import fcntl` raises ImportError
+    for _name in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT"):
+        delattr(signal, _name)
+    del faulthandler.register
+'''
+
+SIMULATION_CHECK = r'''
+import faulthandler, os, signal
+for name in ("fcntl", "resource"):
+    try:
+        __import__(name)
+        raise SystemExit(f"{name} imported")
+    except ImportError:
+        pass
+assert not hasattr(os, "sched_getaffinity")
+assert not any(hasattr(signal, s) for s in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT"))
+assert not hasattr(faulthandler, "register")
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+ds = TensorDataset(torch.arange(40.0), torch.arange(40))
+assert sum(int(y.sum()) for _, y in DataLoader(ds, batch_size=4, num_workers=2)) == 780
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t)
+dist.destroy_process_group()
+print("simulated", t.tolist())
+'''
+
+
+@pytest.fixture
+def not_linux(tmp_path):
+    """The environment variables of the simulation: its sitecustomize.py first on PYTHONPATH."""
+    site = tmp_path / "not_linux"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NOT_LINUX)
+    return {"PYTHONPATH": str(site)}
+
+
+def test_the_simulation_removes_the_linux_apis_and_torch_still_runs(not_linux, tmp_path):
+    (tmp_path / "check.py").write_text(SIMULATION_CHECK)
+    p = launch(tmp_path, "check.py", env=not_linux, unset=["OMP_NUM_THREADS"])
+    assert p.returncode == 0 and "simulated [1.0, 1.0, 1.0]" in p.stdout, p.stdout + p.stderr[-3000:]
+    plain = launch(tmp_path, "check.py")  # and without it, the check fails: it tests something
+    assert plain.returncode != 0 and "imported" in plain.stderr, plain.stdout + plain.stderr[-3000:]
+
+
+DEFAULT_CPU = ["--train-size", 256, "--val-size", 64, "--epochs", 1]  # small, the other flags their defaults
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, how", [(s, "spawn" if h == "spawn" else "python") for s, h in SCRIPTS.items()]
+                         + [("ddp_launch_train.py", "torchrun")])
+def test_every_script_default_cpu_run_works_without_the_linux_only_apis_nor_omp_num_threads(script, how, not_linux,
+                                                                                            tmp_path):
+    """spawn: its default processes (no --nprocs); the others: plain python, one process; and one 2-process torchrun."""
+    out = tmp_path / "run"
+    p = launch(ROOT, script, *DEFAULT_CPU, "--out-dir", out, how="torchrun" if how == "torchrun" else "python",
+               env=not_linux, unset=["OMP_NUM_THREADS"])
+    ok(p)
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr[-4000:]
+    assert [r["epoch"] for r in metrics(out)] == [1]
+    assert checkpoint(str(out))["epoch"] == 1
+
+
+# ---- 3. a non-image model, trained unchanged
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", "fsdp_train.py"])
+def test_a_transformer_over_int64_tokens_trains_through_a_copied_script_with_channels_last_ignored(script,
+                                                                                                   tmp_path):
+    folder = copy_alone(tmp_path / "project", script, MINE_TEXT)
+    out = tmp_path / "run"
+    p = ok(launch(folder, script, "--train-size", 1024, "--val-size", 256, "--epochs", 2, "--batch-size", 16,
+                  "--optimizer", "adamw", "--lr", 0.003, "--channels-last", "--out-dir", out, how="torchrun"))
+    assert not tracebacks(p), p.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["val_count"] == 256, rows
+    assert rows[-1]["val_acc"] > 0.6, rows  # chance is 1/3
+    assert checkpoint(str(out))["model"]["embed.weight"].shape == (32, 32)
