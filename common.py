@@ -1,6 +1,5 @@
-"""What the scripts share that does not depend on how their processes are launched: flags, the default data and
-model, checkpoint files, step counters and metrics, how a run ends. Extras (other datasets, fine-tuning, sharded
-checkpoints, torchrun restarts) are in train_extras/, imported only when a flag asks for them."""
+"""What the scripts share that does not depend on how their processes are launched. Extras (other datasets, models,
+fine-tuning, sharded checkpoints, torchrun restarts) are in train_extras/, imported only when a flag asks for them."""
 import argparse
 import contextlib
 import datetime
@@ -21,32 +20,27 @@ from tqdm import tqdm
 
 
 class UsageError(Exception):
-    code = 2  # bad input: one line, printed by rank 0 only
+    """Ends the run (common.run): the message printed once, by rank `printer` (None: each rank that raised it), and
+    exit status `code`: 2 for bad input; 1 for a NaN/inf loss, 3 for a rank that stopped answering, 0 or 143 for a
+    stop signal (docs/failures.md)."""
+
+    def __init__(self, message, code=2, printer=0):
+        super().__init__(message)
+        self.code, self.printer = code, printer
 
 
-class NonFinite(Exception):
-    code = 1  # the loss became NaN/inf: every rank stops at the same step
-
-
-class Hung(Exception):
-    code, print_it = 3, True  # a collective timed out: a rank stopped answering
-
-
-class Stopped(Exception):
+def stopped(signum, step):
     """Every rank saved at one step after a signal: exit 0 after SIGUSR1 (requeue, --resume auto), 143 after SIGTERM."""
-
-    def __init__(self, signum, step):
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was saved: "
-                         "--resume auto continues from there")
-        self.code = 128 + signum if signum == signal.SIGTERM else 0
+    return UsageError(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was saved: --resume "
+                      "auto continues from there", 128 + signum if signum == signal.SIGTERM else 0)
 
 
 # ---- the command line: the same flags, with the same meanings, in every script
 def number(kind, low, high=math.inf, above=False):
-    """An argparse type: a finite int or float, at least `low` (above it, if `above`) and below `high`."""
+    """An argparse type: an int or float at least `low` (above it, if `above`) and below `high` (NaN, inf: never)."""
     def parse(text):
         value = kind(text)  # a ValueError: argparse says "invalid int value"
-        if not (math.isfinite(value) and (value > low if above else value >= low) and value < high):
+        if not ((low < value) if above else (low <= value)) or not value < high:
             raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {low}"
                                              + (f" and below {high}" if high < math.inf else "") + f", got {text}")
         return value
@@ -63,16 +57,22 @@ def shape(text):
 
 
 class Parser(argparse.ArgumentParser):
+    one_process, sharded = None, False  # a one-process script: why a launcher is wrong; fsdp_train.py: sharded saves
+
     def error(self, message):  # bad flags: one line, once (not once per process of a launcher), exit 2
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-            print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        else:
-            time.sleep(0.5)  # rank 0 says why before the others exit
+        first = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+        time.sleep((0.5 if one_of_several() else 0) + (0 if first else 0.5))  # all here, then rank 0 says why first
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr) if first else None
         sys.exit(2)
 
-    def parse_args(self, *a, **kw):  # and the checks of more than one flag, or of this machine
+    def parse_args(self, *a, **kw):  # and the checks of this machine and this script
         args = super().parse_args(*a, **kw)
+        if self.one_process and one_of_several():
+            self.error(f"{self.prog} {self.one_process}: start it with python, not {one_of_several()}")
+        if (args.ckpt_format == "dcp" or args.async_save) and not self.sharded:
+            self.error("--ckpt-format dcp and --async-save are fsdp_train.py's: a whole copy of the model saves "
+                       "faster as one last.pt (docs/fsdp.md)")
         if args.freeze_backbone and not (args.pretrained or args.weights):
             self.error("--freeze-backbone needs --pretrained or --weights: a random backbone is not worth freezing")
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -84,7 +84,7 @@ class Parser(argparse.ArgumentParser):
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):  # the docstring as written, and each flag's default where it has one
-        return action.help + (" (default: %(default)s)" if action.default not in (None, False, argparse.SUPPRESS) else "")
+        return action.help + ("" if action.default in (None, False, argparse.SUPPRESS) else " (default: %(default)s)")
 
 
 def get_parser(doc):
@@ -144,7 +144,7 @@ def optional(name, flag):
 
 
 def one_of_several():
-    """The launcher that started this process as one of several, or None: what the one-process scripts refuse."""
+    """The launcher that started this process as one of several, or None."""
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return "torchrun"
     return "srun" if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 else None
@@ -161,14 +161,17 @@ def set_threads_and_math(local_world_size, deterministic):
 
 
 def on_rank0(fn, rank):
-    """fn() on rank 0 while the others wait; its UsageError raised on every rank, so that none waits forever."""
+    """fn() where `rank` (global, or local: once per machine) is 0, while the others wait; a UsageError raised there
+    is raised on every rank, so that none waits forever in a collective for one that has stopped."""
+    result, errors = None, [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     try:
-        result, error = (fn(), [None]) if rank == 0 else (None, [None])
+        result = fn() if rank == 0 else None
     except UsageError as e:
-        result, error = None, [str(e)]
-    dist.broadcast_object_list(error, src=0) if dist.is_initialized() else None
-    if error[0]:
-        raise UsageError(error[0])
+        errors = [str(e)] * len(errors)
+    if dist.is_initialized():
+        dist.all_gather_object(errors, errors[0])
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
     return result
 
 
@@ -195,41 +198,37 @@ def load_data(args, download=False):
                                                                           (args.val_size or 2000, 10**6)))
     mean, std = xt.mean(), xt.std()
     sets = TensorDataset((xt - mean) / std, yt), TensorDataset((xv - mean) / std, yv)
-    for ds in sets:
-        ds.classes = 10  # however few samples are drawn
+    sets[0].classes = sets[1].classes = 10  # however few samples are drawn
     return sets
 
 
 def channels_and_classes(ds):
-    """(size of x's first dimension, number of classes): from the dataset's `classes` (a count or the names) if it
-    has one, else from one pass over its labels."""
+    """(x's first dimension, the classes: the dataset's `classes`, a count or the names; else the labels')."""
     classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else
                                                       max(int(y) for _, y in ds))
-    classes = classes if isinstance(classes, int) else len(classes)
-    if classes < 2:
+    if (classes := classes if isinstance(classes, int) else len(classes)) < 2:
         raise UsageError(f"the data holds {classes} class: a classifier needs at least 2")
     return ds[0][0].shape[0], classes
 
 
-def make_loader(ds, batches, args, device):
-    """A DataLoader over `batches` (lists of indices). In-memory tensors: one index a batch, in this process, on
-    the GPU if they fit. Other datasets: --workers processes, pinned memory. Its own generator: the workers' seed is
-    not drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
-    if isinstance(ds, TensorDataset):
-        if device.type == "cuda" and sum(t.nbytes for t in ds.tensors) < 2**32:
-            ds.tensors = tuple(t.to(device) for t in ds.tensors)  # copied once, not every step
-        return DataLoader(ds, sampler=batches, batch_size=None, generator=torch.Generator())
-    return DataLoader(ds, batch_sampler=batches, num_workers=args.workers, pin_memory=device.type == "cuda",
-                      generator=torch.Generator())
+def make_loader(ds, batches, run):
+    """A DataLoader over `batches` (lists of indices). In-memory tensors: one index a batch, in this process, on the
+    GPU if they fit. Other datasets: --workers processes, pinned memory. Its own generator: the workers' seed is not
+    drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
+    if not isinstance(ds, TensorDataset):
+        return DataLoader(ds, batch_sampler=batches, num_workers=run.args.workers, generator=torch.Generator(),
+                          pin_memory=run.device.type == "cuda")
+    if run.device.type == "cuda" and sum(t.nbytes for t in ds.tensors) < 2**32:
+        ds.tensors = tuple(t.to(run.device) for t in ds.tensors)  # copied once, not every step
+    return DataLoader(ds, sampler=batches, batch_size=None, generator=torch.Generator())
 
 
-def to_device(ds, x, device, args):
-    """A batch's inputs on the device. Images only: uint8 (4x fewer bytes to copy) made float there by their
-    dataset's `normalize`; --channels-last."""
-    x = x.to(device, non_blocking=True)
-    if x.dtype == torch.uint8 and hasattr(ds, "normalize"):
-        x = ds.normalize(x)
-    return x.contiguous(memory_format=torch.channels_last) if args.channels_last and x.ndim == 4 else x
+def to_device(run, ds, x, y):
+    """A batch on the device. Images only: uint8 (4x fewer bytes to copy) made float there by the dataset's
+    `normalize`; --channels-last."""
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
+    return x.contiguous(memory_format=torch.channels_last) if run.args.channels_last and x.ndim == 4 else x, y
 
 
 class Net(nn.Module):
@@ -248,18 +247,15 @@ class Net(nn.Module):
 
 def make_model(name, channels, classes):
     """cnn, or a torchvision model (train_extras/models.py)."""
-    return Net(channels, classes) if name == "cnn" else optional("models", f"--model {name}").make(name, channels,
-                                                                                                  classes)
+    return Net(channels, classes) if name == "cnn" else \
+        optional("models", f"--model {name}").make(name, channels, classes)
 
 
 def make_optimizer(args, model, steps_per_epoch):
     """The optimizer over the trainable parameters, and its schedule (per step): linear warmup, then cosine to 0."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    else:
-        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-                                    foreach=True)
+    params, kw = [p for p in model.parameters() if p.requires_grad], dict(weight_decay=args.weight_decay, foreach=True)
+    optimizer = torch.optim.AdamW(params, args.lr, **kw) if args.optimizer == "adamw" else \
+        torch.optim.SGD(params, args.lr, args.momentum, **kw)
     warmup, total = round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch
     cosine = lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))  # noqa: E731
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup
@@ -281,44 +277,44 @@ def save_atomic(obj, path):
 
 
 def read_checkpoint(path):
-    """(the file's contents, its model state_dict): this collection's checkpoint, another tool's, or a state_dict."""
+    """A file's contents, on the CPU (no memory on GPU 0), tensors only (no code in the file runs)."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # CPU: no memory on GPU 0; weights_only: no code
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # missing, empty, truncated, not a torch file, or Python objects that weights_only refuses
         raise UsageError(f"{path} is not a readable checkpoint of tensors ({type(e).__name__}): no such file, a "
                          "truncated one, or a whole pickled model (save model.state_dict() instead)?") from None
-    state = ckpt.get("model", ckpt.get("state_dict", ckpt)) if isinstance(ckpt, dict) else None
-    if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
-        raise UsageError(f"{path} holds no state_dict (no 'model' or 'state_dict' entry of tensors)")
-    return ckpt, state
 
 
-def find_checkpoint(args, out_dir, model, global_batch):
+def find_checkpoint(run):
     """Rank 0, before anything is written: the checkpoint --resume names, checked against this run, or None. A fresh
     run never replaces an earlier last.pt unasked."""
-    path = os.path.join(out_dir, "last.pt")
+    args, path = run.args, os.path.join(run.out_dir, "last.pt")
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        os.makedirs(run.out_dir, exist_ok=True)
     except OSError as e:  # a file of that name, no permission
-        raise UsageError(f"--out-dir {out_dir}: {e.strerror}: give a folder this user can write to") from None
+        raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}: give a folder this user can write to") from None
     if os.path.exists(path) and not (args.resume or args.overwrite):
-        raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
-                         "replaces it, or give another --out-dir")
+        raise UsageError(f"{run.out_dir} holds the last.pt of an earlier run: --resume auto continues it, "
+                         "--overwrite replaces it, or give another --out-dir")
     if not args.resume or (args.resume == "auto" and not os.path.exists(path)):
         return None
-    path = path if args.resume == "auto" else args.resume
-    if os.path.isdir(path):
+    if os.path.isdir(path := path if args.resume == "auto" else args.resume):
         raise UsageError(f"{path} is a sharded checkpoint of fsdp_train.py: convert it to one file first: python -m "
                          f"train_extras.sharded {path} last.pt")
-    ckpt, state = read_checkpoint(path)
-    a = ckpt.get("args", {})
-    if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in model.state_dict().items()} or \
-            "optimizer" not in ckpt or a.get("freeze_backbone", False) != args.freeze_backbone:
+    ckpt = read_checkpoint(path)
+    model = ckpt.get("model") if isinstance(ckpt, dict) else None
+    return check_fits(path, ckpt, {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None, run)
+
+
+def check_fits(path, ckpt, shapes, run):
+    """`ckpt` (a training state, its model's tensors of `shapes`) if this run can continue it, else one line."""
+    if shapes != {k: v.shape for k, v in run.raw_model.state_dict().items()} or "optimizer" not in ckpt or \
+            (a := ckpt.get("args", {})).get("freeze_backbone", False) != run.args.freeze_backbone:
         raise UsageError(f"{path} is not a training state of this model and flags (another --model, classes or "
                          "channels, --freeze-backbone; or weights only: give it to --weights)")
     if (saved := ckpt.get("global_batch") or a["batch_size"] * a.get("grad_accum", 1) * ckpt["world_size"]) \
-            != global_batch:
-        raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {global_batch}: keep "
+            != run.global_batch:
+        raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {run.global_batch}: keep "
                          f"--batch-size x processes x --grad-accum = {saved}")
     return ckpt
 
@@ -328,16 +324,15 @@ def rng_state(device):
     return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
 
 
-def restore_rng(saved, rank, world_size, seed, device):
+def restore_rng(saved, run):
     """This rank's generators as the checkpoint holds them; at another world size, seeded from (seed, step, rank)."""
-    states = saved.get("rng") or []
-    if len(states) == world_size:
-        torch.set_rng_state(states[rank]["cpu"])
-        for state in states[rank]["cuda"] if device.type == "cuda" else []:
-            torch.cuda.set_rng_state(state, device)
+    if len(states := saved.get("rng") or []) == run.world_size:
+        torch.set_rng_state(states[run.rank]["cpu"])
+        for state in states[run.rank]["cuda"] if run.device.type == "cuda" else []:
+            torch.cuda.set_rng_state(state, run.device)
     else:
-        torch.manual_seed((seed * 1_000_000_007 + (saved["epoch"] * 1_000_003 + saved["step_in_epoch"]) * 1_009
-                           + rank) % 2**63)
+        torch.manual_seed((run.args.seed * 1_000_000_007 + (saved["epoch"] * 1_000_003 + saved["step_in_epoch"])
+                           * 1_009 + run.rank) % 2**63)
 
 
 # ---- where training stands, what every rank agrees on at its checks, and rank 0's output
@@ -358,11 +353,11 @@ class Progress:
     CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
     def __init__(self, steps_per_epoch, global_batch, device, saved=None):
-        saved = saved or {"epoch": 0, "step_in_epoch": 0, "loss_sum": 0.0}
+        saved = saved or {"epoch": 0, "loss_sum": 0.0}
         self.epoch, self.saved_sums = saved["epoch"], (saved["loss_sum"], saved.get("grad_norm_sum", 0.0))
-        self.step_in_epoch = saved.get("samples_in_epoch", saved["step_in_epoch"] * global_batch) // global_batch
+        self.step_in_epoch = saved.get("samples_in_epoch", saved.get("step_in_epoch", 0) * global_batch) // global_batch
         self.steps_per_epoch, self.global_batch, self.device = steps_per_epoch, global_batch, device
-        self.step = self.epoch * steps_per_epoch + self.step_in_epoch
+        self.step = self.epoch * steps_per_epoch + self.step_in_epoch  # (format 1 counted steps, not samples)
         self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=device)
         self.next_check, self.checked = self.step + 1, None
 
@@ -371,7 +366,7 @@ class Progress:
             self.epoch, self.step_in_epoch = epoch, 0
         sums = self.saved_sums if self.step_in_epoch else (0.0, 0.0)
         self.loss_sum, self.norm_sum = (torch.tensor(s, dtype=torch.float64, device=self.device) for s in sums)
-        self.t0, self.t0_step, self.train_time = None, self.step, None
+        self.t0 = self.t1 = None  # the steady state: timed from the end of the epoch's first step (t0) to its end
 
     def step_done(self, loss, norm=None):
         bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
@@ -379,16 +374,15 @@ class Progress:
         self.loss_sum += loss
         self.norm_sum += 0.0 if norm is None else torch.nan_to_num(norm, nan=0.0, posinf=0.0)  # fp16 skips: 0
         self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
-        if self.t0 is None:  # the steady state: timed from the end of the epoch's first step
-            self.t0 = self.clock()
+        self.t0 = self.t0 or (self.clock(), self.step)
 
     epoch_done = property(lambda self: self.step_in_epoch == self.steps_per_epoch)
 
     def check(self, args, every_rank=False):
         """At its cadence, or at a step every rank asks for (`every_rank`), one all-reduce: a NaN/inf loss on any
-        rank stops all (NonFinite); a stop signal any rank got is returned (None between checks). The cadence is
-        every --log-every steps, or about every CHECK_S seconds if that is sooner, from the slowest rank's time, so
-        that all agree. After the first check, when start-up is over everywhere, collectives get --step-timeout."""
+        rank stops all; a stop signal any rank got is returned (None between checks). The cadence is every
+        --log-every steps, or about every CHECK_S seconds if sooner, from the slowest rank's time, so that all agree.
+        After the first check, when start-up is over everywhere, collectives get --step-timeout."""
         if not (every_rank or self.step >= self.next_check):
             return None
         seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
@@ -398,23 +392,22 @@ class Progress:
             if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)
                 getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
                     datetime.timedelta(seconds=args.step_timeout))
-        if -flags[0].item() < self.NEVER:
-            raise NonFinite(f"loss is NaN/inf at step {int(-flags[0].item())}: stopped, the last checkpoint is older")
+        if (first_bad := -flags[0].item()) < self.NEVER:
+            raise UsageError(f"loss is NaN/inf at step {first_bad:.0f}: stopped, the last checkpoint is older", 1)
         per_step = flags[2].item() / max(1, self.step - self.checked[0]) if self.checked else math.inf  # first: measure
         every = min(args.log_every - self.step % args.log_every, max(1, int(self.CHECK_S / max(per_step, 1e-9))))
         self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
         return int(flags[1].item())
 
     def clock(self):  # the GPU's queued work is part of the time
-        return torch.cuda.synchronize(self.device) or time.perf_counter() if self.device.type == "cuda" else \
-            time.perf_counter()
+        return (torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None) or time.perf_counter()
 
     def end_epoch(self):
-        self.train_time = self.clock() - self.t0 if self.t0 else 0.0
+        self.t1 = self.clock()
 
     def samples_per_s(self):
-        elapsed = self.train_time if self.train_time is not None else time.perf_counter() - (self.t0 or 0)
-        return (self.step - self.t0_step - 1) * self.global_batch / max(elapsed, 1e-9) if self.t0 else 0.0
+        return (self.step - self.t0[1]) * self.global_batch / max((self.t1 or self.clock()) - self.t0[0], 1e-9) \
+            if self.t0 else 0.0
 
     def state(self, loss_sum, norm_sum):
         """What a checkpoint keeps; the sums so far averaged over the ranks. The position in the epoch is in samples."""
@@ -424,65 +417,70 @@ class Progress:
                 "global_batch": self.global_batch}
 
 
-def progress_bar(progress, master):
+def progress_bar(run):
     """Rank 0's bar on a terminal; none in a log file (disable=None), where log_line prints plain lines."""
-    return tqdm(total=progress.steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
-                leave=False, disable=None if master else True)
+    p = run.progress
+    return tqdm(total=p.steps_per_epoch, initial=p.step_in_epoch, desc=f"epoch {p.epoch + 1}", leave=False,
+                disable=None if run.rank == 0 else True)
 
 
-def log_line(bar, progress, master, **values):
+def log_line(run, bar):
     """The numbers on the progress bar; in a log file, rank 0 prints them as one plain line."""
-    values = {"loss": f"{progress.last_loss.item():.4f}", **values, "samples_per_s": f"{progress.samples_per_s():.0f}"}
-    if master and bar.disable and not progress.epoch_done:
-        print(f"epoch {progress.epoch + 1}: step {progress.step_in_epoch} of {progress.steps_per_epoch}  "
+    p = run.progress
+    values = {"loss": f"{p.last_loss.item():.4f}", "lr": f"{run.scheduler.get_last_lr()[0]:.2e}",
+              "samples_per_s": f"{p.samples_per_s():.0f}"}
+    if run.rank == 0 and bar.disable and not p.epoch_done:
+        print(f"epoch {p.epoch + 1}: step {p.step_in_epoch} of {p.steps_per_epoch}  "
               + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
     bar.set_postfix(values, refresh=False)
 
 
-def start_output(out_dir, progress, tensorboard):
-    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers; a TensorBoard writer or None."""
-    path, rows = os.path.join(out_dir, "metrics.jsonl"), []
+def start_output(run):
+    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers."""
+    path, rows = os.path.join(run.out_dir, "metrics.jsonl"), []
     if os.path.exists(path):
-        rows = [r for r in map(json.loads, open(path).read().splitlines()) if r["epoch"] <= progress.epoch]
+        rows = [r for r in map(json.loads, open(path).read().splitlines()) if r["epoch"] <= run.progress.epoch]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    return importlib.import_module("torch.utils.tensorboard").SummaryWriter(out_dir) if tensorboard else None
 
 
-def log_epoch(out_dir, writer, progress, row):
-    """Rank 0: the epoch's line in metrics.jsonl (its number fractional if --max-steps ended it), and on screen."""
-    row = {"epoch": progress.epoch + progress.step_in_epoch / progress.steps_per_epoch, "step": progress.step, **row,
-           "samples_per_s": progress.samples_per_s(), "epoch_time_s": progress.train_time, "peak_mem_mb":
-           torch.cuda.max_memory_allocated(progress.device) / 2**20 if progress.device.type == "cuda" else None}
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+def log_epoch(run, row):
+    """Rank 0: the epoch's line in metrics.jsonl (its number fractional if --max-steps ended it), on screen, and with
+    --tensorboard in an events file of its own (TensorBoard reads every one in --out-dir)."""
+    p = run.progress
+    row = {"epoch": p.epoch + p.step_in_epoch / p.steps_per_epoch, "step": p.step, **row, "samples_per_s":
+           p.samples_per_s(), "epoch_time_s": p.t1 - p.t0[0] if p.t0 else 0.0, "peak_mem_mb":
+           torch.cuda.max_memory_allocated(p.device) / 2**20 if p.device.type == "cuda" else None}
+    with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
-    for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s") if writer else ():
-        writer.add_scalar(k, row[k], progress.step)
+    if run.args.tensorboard:
+        with importlib.import_module("torch.utils.tensorboard").SummaryWriter(run.out_dir) as writer:
+            for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s"):
+                writer.add_scalar(k, row[k], p.step)
     print(f"epoch {row['epoch']:.4g}  train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f}  val_acc "
           f"{row['val_acc']:.4f}  lr {row['lr']:.2e}  {row['samples_per_s']:.0f} samples/s", flush=True)
 
 
 # ---- how a run ends: a rank that stops answering named; every error one line and its exit status
 @contextlib.contextmanager
-def hangs_named(store, rank, world_size):
-    """A collective that timed out (torch's error names neither it nor the rank) becomes a Hung that names the ranks
-    that never arrived: each rank whose wait ran out marks itself in the store, waits for the others to, and reads."""
+def hangs_named(run):
+    """A collective that timed out (torch's error names neither it nor the rank) ends the run naming the ranks that
+    never arrived: each rank whose wait ran out marks itself in the store, waits for the others to, and reads."""
     try:
         yield
     except RuntimeError as e:
-        if store is None or "timeout" not in str(e).lower().replace("timed out", "timeout"):
+        if run.store is None or "timeout" not in str(e).lower().replace("timed out", "timeout"):
             raise
         try:
-            store.set(f"hung/{rank}", "")
+            run.store.set(f"hung/{run.rank}", "")
             time.sleep(5)  # the other ranks' waits run out at about the same time
-            arrived = [r for r in range(world_size) if store.check([f"hung/{r}"])]
+            arrived = [r for r in range(run.world_size) if run.store.check([f"hung/{r}"])]
         except Exception:  # noqa: BLE001 whatever the store raises: it went with the process that held it
-            raise Hung("a collective timed out, and the store is gone with rank 0, which held it") from None
-        hung = Hung(f"a collective timed out: rank {', '.join(str(r) for r in range(world_size) if r not in arrived)} "
-                    "never arrived")
-        hung.print_it = rank == min(arrived)
-        time.sleep(5 if rank == 0 else 0)  # rank 0's process holds the store: the others may still read it
-        raise hung from None
+            raise UsageError("a collective timed out, and the store is gone with rank 0, which held it", 3,
+                             None) from None
+        missing = ", ".join(str(r) for r in range(run.world_size) if r not in arrived)
+        time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others may still read it
+        raise UsageError(f"a collective timed out: rank {missing} never arrived", 3, min(arrived)) from None
 
 
 def run(main, args, rank):
@@ -495,14 +493,13 @@ def run(main, args, rank):
         if received == signal.SIGTERM:  # told to stop, and a peer has left already (a launcher stops them all)
             sys.exit(128 + signal.SIGTERM)
         raise
-    except (UsageError, NonFinite, Hung, Stopped) as e:
+    except UsageError as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
-        if getattr(e, "print_it", rank == 0):
-            print(e if isinstance(e, Stopped) else f"error: {e}", file=sys.stderr, flush=True)
+        printer = e.printer in (None, rank)
+        print(e if e.code in (0, 143) else f"error: {e}", file=sys.stderr, flush=True) if printer else None
         # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,
         # and one that has not reached run() yet dies of the SIGTERM that torchrun sends once a first one exits
-        time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if getattr(e, "print_it", rank == 0)
-                   else 0.5)
+        time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)
         dist.destroy_process_group() if dist.is_initialized() else None
         # and without the interpreter's teardown, where gloo's threads, freeing a collective's tensors, now and then
         # hang the process (torch 2.11: 1 in about 8 two-process NaN stops). Upstream: pytorch/pytorch#190489

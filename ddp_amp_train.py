@@ -93,7 +93,7 @@ def build_data(run):
         raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
                                 f"({args.batch_size * args.grad_accum * run.world_size})")
     val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size), args.batch_size, False))
-    run.val_loader = common.make_loader(val_set, val_batches, args, run.device)  # no padding duplicates
+    run.val_loader = common.make_loader(val_set, val_batches, run)  # no padding duplicates
 
 
 def build_model(run):
@@ -118,8 +118,7 @@ def build_model(run):
 def resume(run):
     """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed). Returns the
     progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(run.args, run.out_dir, run.raw_model, run.global_batch),
-                           run.rank)
+    ckpt = common.on_rank0(lambda: common.find_checkpoint(run), run.rank)
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's broadcast fails on it
     meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])} if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
@@ -132,7 +131,7 @@ def resume(run):
                                  options=StateDictOptions() if whole else options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
-        common.restore_rng(meta[0], run.rank, run.world_size, run.args.seed, run.device)
+        common.restore_rng(meta[0], run)
         if meta[0].get("scaler"):  # [amp] another script's or precision's checkpoint has none: a fresh scale
             run.scaler.load_state_dict(meta[0]["scaler"])
     return meta[0]
@@ -169,11 +168,11 @@ def train_one_epoch(run, epoch):
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], args, run.device)  # resumed: skip
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
     run.raw_model.train()
-    bar = common.progress_bar(progress, run.rank == 0)  # rank 0's
+    bar = common.progress_bar(run)  # rank 0's
     for x, y in loader:
-        x, y = common.to_device(run.train_set, x, run.device, args), y.to(run.device, non_blocking=True)
+        x, y = common.to_device(run, run.train_set, x, y)
         progress.step_done(*train_step(run, x, y))
         bar.update()
         last = progress.epoch_done or progress.step == args.max_steps
@@ -181,13 +180,13 @@ def train_one_epoch(run, epoch):
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
         stopping = progress.check(args, every_rank=save_due or last)
         if stopping is not None and progress.step % args.log_every == 0:
-            common.log_line(bar, progress, run.rank == 0, lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
+            common.log_line(run, bar)
         if last:
             break
         if save_due or stopping:
             save(run)
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
-            raise common.Stopped(stopping, progress.step)
+            raise common.stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
     return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
@@ -205,7 +204,7 @@ def evaluate(run):
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
-        x, y = common.to_device(run.val_loader.dataset, x, run.device, run.args), y.to(run.device, non_blocking=True)
+        x, y = common.to_device(run, run.val_loader.dataset, x, y)
         with run.autocast:  # [amp] evaluated as trained
             out = run.raw_model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
@@ -246,12 +245,12 @@ def main(args):
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
         return
-    writer = common.start_output(run.out_dir, progress, args.tensorboard) if master else None
     if master:
+        common.start_output(run)
         print(f"ddp {args.precision}: {run.world_size} processes, backend {dist.get_backend()}, device "  # [amp]
               f"{run.device.type}, global batch {run.global_batch}"
               + (f", resuming at step {progress.step}" if progress.step else ""))
-    with common.hangs_named(run.store, run.rank, run.world_size):  # a rank that stops answering: named
+    with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
@@ -263,7 +262,7 @@ def main(args):
             if master:
                 row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
                        run.world_size, "eval_time_s": time.time() - t1, "grad_norm": args.clip_grad and grad_norm}
-                common.log_epoch(run.out_dir, writer, progress, row)
+                common.log_epoch(run, row)
             save(run)
             if progress.step == args.max_steps:
                 break
@@ -279,7 +278,4 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],  # [amp]
                         help="bf16 (no loss scaling; Ampere+ GPUs, CPU), fp16 (GradScaler; older GPUs) or fp32")
     args = parser.parse_args()
-    if args.ckpt_format != "file" or args.async_save:
-        parser.error("--ckpt-format dcp and --async-save are fsdp_train.py's: a DDP replica holds the whole state, "
-                     "and one last.pt is faster (docs/fsdp.md)")
     common.run(main, args, launcher_env()[0])

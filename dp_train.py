@@ -9,7 +9,6 @@ so only per-GPU loss sums are gathered (--gather-outputs: the classic way). Pref
 this script copies but for the lines marked [dp]; a checkpoint of either resumes in the other.
 """
 import os
-import signal
 import time
 import types
 
@@ -73,7 +72,7 @@ def build_data(run):  # [dp]
         raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
                                 f"({run.global_batch})")
     val_batches = list(BatchSampler(range(len(val_set)), args.batch_size * max(1, len(run.gpus)), False))
-    run.val_loader = common.make_loader(val_set, val_batches, args, run.device)
+    run.val_loader = common.make_loader(val_set, val_batches, run)
 
 
 def build_model(run):  # [dp]
@@ -96,14 +95,14 @@ def build_model(run):  # [dp]
 
 def resume(run):  # [dp]
     """A last.pt of any script, written by any number of processes: the progress it saved, or None (a fresh start)."""
-    ckpt = common.find_checkpoint(run.args, run.out_dir, run.raw_model, run.global_batch)
+    ckpt = common.find_checkpoint(run)
     if ckpt:
         options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
         set_model_state_dict(run.raw_model, ckpt["model"], options=options)
         set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"], options=options)
         run.scheduler.load_state_dict(ckpt["scheduler"])
         # dropout and the like draw from the generators: as they were, to go on as if never stopped
-        common.restore_rng(ckpt, 0, 1, run.args.seed, run.device)
+        common.restore_rng(ckpt, run)
     return ckpt
 
 
@@ -133,11 +132,11 @@ def train_one_epoch(run, epoch):
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, run.global_batch, drop_last=True))  # [dp] split over the GPUs later
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], args, run.device)  # resumed: skip
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
     run.raw_model.train()
-    bar = common.progress_bar(progress, run.rank == 0)  # rank 0's
+    bar = common.progress_bar(run)  # rank 0's
     for x, y in loader:
-        x, y = common.to_device(run.train_set, x, run.device, args), y.to(run.device, non_blocking=True)
+        x, y = common.to_device(run, run.train_set, x, y)
         progress.step_done(*train_step(run, x, y))
         bar.update()
         last = progress.epoch_done or progress.step == args.max_steps
@@ -145,13 +144,13 @@ def train_one_epoch(run, epoch):
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
         stopping = progress.check(args, every_rank=save_due or last)
         if stopping is not None and progress.step % args.log_every == 0:
-            common.log_line(bar, progress, run.rank == 0, lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
+            common.log_line(run, bar)
         if last:
             break
         if save_due or stopping:
             save(run)
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
-            raise common.Stopped(stopping, progress.step)
+            raise common.stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
     return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
@@ -167,7 +166,7 @@ def evaluate(run):  # [dp]
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
-        x, y = common.to_device(run.val_loader.dataset, x, run.device, run.args), y.to(run.device, non_blocking=True)
+        x, y = common.to_device(run, run.val_loader.dataset, x, y)
         loss_sums, correct = run.model(x, y)  # one of each per GPU
         totals[0] += loss_sums.sum().to(run.device)
         totals[1] += correct.sum().to(run.device)
@@ -199,11 +198,11 @@ def main(args):
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
         return
-    writer = common.start_output(run.out_dir, progress, args.tensorboard) if master else None
     if master:
+        common.start_output(run)
         print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, global batch "  # [dp]
               f"{run.global_batch}" + (f", resuming at step {progress.step}" if progress.step else ""))
-    with common.hangs_named(run.store, run.rank, run.world_size):  # a rank that stops answering: named
+    with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
@@ -214,7 +213,7 @@ def main(args):
                 row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "eval_time_s":
                        time.time() - t1, "world_size": run.world_size, "gpus": run.gpus,  # [dp]
                        "grad_norm": grad_norm if args.clip_grad else None}
-                common.log_epoch(run.out_dir, writer, progress, row)
+                common.log_epoch(run, row)
             save(run)
             if progress.step == args.max_steps:
                 break
@@ -222,18 +221,11 @@ def main(args):
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
+    parser.one_process = "is one process that drives every GPU (one process per GPU: ddp_launch_train.py)"  # [dp]
     parser.add_argument("--gpus", help="GPU numbers among the visible ones, e.g. 0,1; if not given, all")  # [dp]
     parser.add_argument("--output-device", type=int, help="the GPU that gathers (if not given, the first)")  # [dp]
     parser.add_argument("--gather-outputs", action="store_true",  # [dp]
                         help="the classic way: every output gathered on one GPU, the loss computed there")
     # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
     args = parser.parse_args()
-    if common.one_of_several():  # [dp] started as several copies by mistake: one line, by the first (Parser.error)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's, sent once a copy has exited: the first prints
-        time.sleep(0.5)  # before any copy exits
-        parser.error(f"dp_train.py is one process that drives every GPU: start it with python, not "
-                     f"{common.one_of_several()} (one process per GPU: ddp_launch_train.py)")
-    if args.ckpt_format != "file" or args.async_save:
-        parser.error("--ckpt-format dcp and --async-save are fsdp_train.py's: dp_train.py, one process, writes one "
-                     "last.pt")  # [dp]
     common.run(main, args, 0)  # [dp] one process

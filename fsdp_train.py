@@ -111,7 +111,7 @@ def build_data(run):
         raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
                                 f"({args.batch_size * args.grad_accum * run.world_size})")
     val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size), args.batch_size, False))
-    run.val_loader = common.make_loader(val_set, val_batches, args, run.device)  # no padding duplicates
+    run.val_loader = common.make_loader(val_set, val_batches, run)  # no padding duplicates
 
 
 def build_model(run):
@@ -162,14 +162,13 @@ def shard(model, mesh, precision, reshard_after_forward):
 
 
 def find_checkpoint(run):
-    """Rank 0, before anything is written: the checkpoint --resume names, read and checked, or None for a fresh
-    start. Sharded ones (ckpt-<step> folders, --ckpt-format dcp) are train_extras/sharded.py's: --resume auto takes
-    the newest of last.pt and them."""
-    args, out_dir = run.args, run.out_dir
+    """Rank 0: common.find_checkpoint's, or where there are sharded ones (ckpt-<step> folders, --ckpt-format dcp),
+    train_extras/sharded.py's: --resume auto takes the newest of last.pt and them."""
+    out_dir = run.out_dir
     folders = os.path.isdir(out_dir) and any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
-    if folders or os.path.isdir(args.resume or ""):
+    if folders or os.path.isdir(run.args.resume or ""):
         return common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").find(run)
-    return common.find_checkpoint(args, out_dir, run.raw_model, run.global_batch)
+    return common.find_checkpoint(run)
 
 
 def resume(run):
@@ -191,7 +190,7 @@ def resume(run):
                                  options=StateDictOptions() if whole else options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
-        common.restore_rng(meta[0], run.rank, run.world_size, run.args.seed, run.device)
+        common.restore_rng(meta[0], run)
     return meta[0]
 
 
@@ -234,11 +233,11 @@ def train_one_epoch(run, epoch):
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], args, run.device)  # resumed: skip
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
     run.raw_model.train()
-    bar = common.progress_bar(progress, run.rank == 0)  # rank 0's
+    bar = common.progress_bar(run)  # rank 0's
     for x, y in loader:
-        x, y = common.to_device(run.train_set, x, run.device, args), y.to(run.device, non_blocking=True)
+        x, y = common.to_device(run, run.train_set, x, y)
         progress.step_done(*train_step(run, x, y))
         bar.update()
         last = progress.epoch_done or progress.step == args.max_steps
@@ -246,13 +245,13 @@ def train_one_epoch(run, epoch):
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
         stopping = progress.check(args, every_rank=save_due or last)
         if stopping is not None and progress.step % args.log_every == 0:
-            common.log_line(bar, progress, run.rank == 0, lr=f"{run.scheduler.get_last_lr()[0]:.2e}")
+            common.log_line(run, bar)
         if last:
             break
         if save_due or stopping:
             save(run, blocking=bool(stopping))  # [fsdp] a save on a stop signal is whole before the run ends
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
-            raise common.Stopped(stopping, progress.step)
+            raise common.stopped(stopping, progress.step)
     bar.close()
     progress.end_epoch()
     return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
@@ -270,7 +269,7 @@ def evaluate(run):
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
-        x, y = common.to_device(run.val_loader.dataset, x, run.device, run.args), y.to(run.device, non_blocking=True)
+        x, y = common.to_device(run, run.val_loader.dataset, x, y)
         out = run.raw_model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
@@ -347,10 +346,10 @@ def main(args):
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
         return
-    writer = common.start_output(run.out_dir, progress, args.tensorboard) if master else None
     if master:
+        common.start_output(run)
         print(describe(run) + (f", resuming at step {progress.step}" if progress.step else ""))  # [fsdp]
-    with common.hangs_named(run.store, run.rank, run.world_size):  # a rank that stops answering: named
+    with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
@@ -363,7 +362,7 @@ def main(args):
                 row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
                        run.world_size, "eval_time_s": time.time() - t1, "grad_norm": args.clip_grad and grad_norm}
                 row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes and the FSDP flags
-                common.log_epoch(run.out_dir, writer, progress, row)
+                common.log_epoch(run, row)
             save(run)
             if progress.step == args.max_steps:
                 break
@@ -374,6 +373,7 @@ def main(args):
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
+    parser.sharded = True  # [fsdp] --ckpt-format dcp, --async-save
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true", help="not with FSDP: use ddp_launch_train.py")  # [fsdp]
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",  # [fsdp]
@@ -387,13 +387,8 @@ if __name__ == "__main__":
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    # [fsdp] --ckpt-format dcp and --async-save are this script's (refuse(): the flags it does refuse)
     common.run(main, args, launcher_env()[0])
-    # [fsdp] A finished run leaves without the interpreter's teardown (errors left in common.run): DTensor's caches
-    # keep the mesh, its process group and gloo's worker threads alive after destroy_process_group, and a worker still
-    # freeing a finished collective's tensors as Python shuts down aborts the process (exit -6, 1 in about 50
-    # two-process CPU runs). Every file is written and closed by now. Upstream: pytorch/pytorch#190489 (open; an
-    # atexit fix, #179291, was abandoned); remove this once a finished run exits 0 in 100 of 100 runs without it.
-    sys.stdout.flush()  # [fsdp]
-    sys.stderr.flush()  # [fsdp]
+    # [fsdp] a finished run, too, leaves without the interpreter's teardown (common.run says why): DTensor's caches keep
+    # gloo's threads alive, and 1 in about 50 two-process CPU runs aborted there (exit -6). Every file is closed by now
+    sys.stdout.flush(), sys.stderr.flush()  # [fsdp]
     os._exit(0)  # [fsdp]

@@ -357,28 +357,31 @@ def test_rng_states_are_restored_per_rank_or_reseeded():
     is seeded from (seed, position, rank) instead."""
     cpu = torch.device("cpu")
 
+    def at(rank, world_size, seed):  # the run state restore_rng reads
+        return types.SimpleNamespace(rank=rank, world_size=world_size, args=types.SimpleNamespace(seed=seed), device=cpu)
+
     def draws(seed):
         torch.manual_seed(seed)
         return common.rng_state(cpu), torch.rand(3)
     (a, after_a), (b, after_b) = draws(1), draws(2)
     saved = {"rng": [a, b], "epoch": 1, "step_in_epoch": 5}
-    common.restore_rng(saved, 1, 2, 0, cpu)
+    common.restore_rng(saved, at(1, 2, 0))
     assert torch.equal(torch.rand(3), after_b)  # rank 1's own
-    common.restore_rng(saved, 0, 2, 0, cpu)
+    common.restore_rng(saved, at(0, 2, 0))
     assert torch.equal(torch.rand(3), after_a)  # and rank 0's
     seeded = []
     for rank in (0, 1, 2):
-        common.restore_rng(saved, rank, 3, 0, cpu)
+        common.restore_rng(saved, at(rank, 3, 0))
         seeded.append(torch.rand(3))
     assert not torch.equal(seeded[0], seeded[1]) and not torch.equal(seeded[1], seeded[2])  # a stream per rank
     assert not any(torch.equal(s, after) for s in seeded for after in (after_a, after_b))  # not a saved one
-    common.restore_rng(saved, 1, 3, 0, cpu)
+    common.restore_rng(saved, at(1, 3, 0))
     assert torch.equal(torch.rand(3), seeded[1])  # and a function of (seed, position, rank) alone
-    common.restore_rng({**saved, "step_in_epoch": 6}, 1, 3, 0, cpu)
+    common.restore_rng({**saved, "step_in_epoch": 6}, at(1, 3, 0))
     assert not torch.equal(torch.rand(3), seeded[1])  # the position is part of it
-    common.restore_rng(saved, 1, 3, 1, cpu)
+    common.restore_rng(saved, at(1, 3, 1))
     assert not torch.equal(torch.rand(3), seeded[1])  # and the seed
-    common.restore_rng({"epoch": 1, "step_in_epoch": 5}, 1, 3, 0, cpu)  # a checkpoint without states
+    common.restore_rng({"epoch": 1, "step_in_epoch": 5}, at(1, 3, 0))  # a checkpoint without states
     assert torch.equal(torch.rand(3), seeded[1])
 
 

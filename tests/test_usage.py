@@ -4,11 +4,13 @@ what they cannot continue, files named in one line, the wrong launcher refused (
 run that never replaces an earlier last.pt, and logs that read well in a file."""
 import argparse
 import os
+from types import SimpleNamespace as ns
 
 import pytest
 import torch
 
 import common
+from train_extras import finetune
 from conftest import assert_exit, checkpoint, metrics, run, worker_exit_codes
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
@@ -132,15 +134,16 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
         common.read_checkpoint(str(tmp_path / "whole.pt"))
     model = common.make_model("cnn", 1, 10)
     torch.save({"state_dict": model.state_dict()}, tmp_path / "lightning.pt")  # timm/Lightning layout
-    assert common.read_checkpoint(str(tmp_path / "lightning.pt"))[1].keys() == model.state_dict().keys()
+    assert finetune.state_dict_in(str(tmp_path / "lightning.pt")).keys() == model.state_dict().keys()
     ten = {"model": model.state_dict(), "optimizer": {}, "args": {}, "global_batch": 64}
     torch.save(ten, tmp_path / "ten.pt")
     args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
     with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes or channels"):
-        common.find_checkpoint(args, out, common.make_model("cnn", 1, 3), 64)
+        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=common.make_model("cnn", 1, 3), global_batch=64))
     with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
-        common.find_checkpoint(args, out, common.make_model("cnn", 1, 10), 32)
-    assert common.find_checkpoint(args, out, common.make_model("cnn", 1, 10), 64)["global_batch"] == 64
+        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=common.make_model("cnn", 1, 10), global_batch=32))
+    run = ns(args=args, out_dir=out, raw_model=common.make_model("cnn", 1, 10), global_batch=64)
+    assert common.find_checkpoint(run)["global_batch"] == 64
 
 
 def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():

@@ -100,7 +100,9 @@ def crop_flip(x, r, pad):
 # ---- an ImageFolder: files decoded in DataLoader workers
 class BadFile(common.UsageError):
     """An unreadable image: only the rank that read it knows, so that rank prints it."""
-    print_it = True
+
+    def __init__(self, message):
+        super().__init__(message, printer=None)
 
     def __str__(self):  # raised again in the main process with the worker's traceback as its message: its last line
         return super().__str__().strip().splitlines()[-1].split("BadFile: ", 1)[-1]

@@ -5,7 +5,6 @@ import os
 import types
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
@@ -23,7 +22,7 @@ def prepare(model, run):
     head = head_names(args.model, channels, classes)
     if args.pretrained:  # one process per machine downloads them into the torch hub cache; then every rank reads it
         weights = pretrained_weights(args.model)  # every rank alike: a UsageError for a model without weights
-        once_per_machine(lambda: fetch_pretrained(args.model), run.local_rank)
+        common.on_rank0(lambda: fetch_pretrained(args.model), run.local_rank)  # once per machine
         model = load_pretrained(model, args.model, head)
         if run.rank == 0:
             print(f"{weights}: every tensor loaded but the new head for {classes} classes ({', '.join(sorted(head))})",
@@ -33,24 +32,6 @@ def prepare(model, run):
     if args.freeze_backbone:
         freeze_backbone(model, head)
     return model
-
-
-def once_per_machine(fn, local_rank):
-    """fn() in local rank 0 of each machine while the others wait. A UsageError raised in any of them is raised on
-    every rank alike, so that no rank is left waiting in a collective for one that has stopped. (common.on_rank0
-    hears rank 0 only: another machine's error would be lost.)"""
-    error = None
-    if local_rank == 0:
-        try:
-            fn()
-        except common.UsageError as e:
-            error = str(e)
-    if dist.is_initialized():  # also the wait: every rank gathers every rank's error, if any
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise common.UsageError(error)
 
 
 def pretrained_weights(name):
@@ -109,7 +90,7 @@ def load_weights(model, args, head):
     torch.compile `_orig_mod.` prefix ignored); the others keep their fresh values (another head size, another
     channel count), and one line says which. No match at all is an error, not a silently fresh model; so is a
     backbone tensor left fresh under --freeze-backbone, which would freeze it at its random start."""
-    state, own = dict(common.read_checkpoint(args.weights)[1]), model.state_dict()
+    state, own = state_dict_in(args.weights), model.state_dict()
     for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # torch.compile of DDP, or DDP of torch.compile
         consume_prefix_in_state_dict_if_present(state, prefix)
     hits = {k: v for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape == own[k].shape}
@@ -125,6 +106,15 @@ def load_weights(model, args, head):
     print(f"{args.weights}: loaded {len(hits)} of the model's {len(own)} tensors"
           + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
           + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""), flush=True)
+
+
+def state_dict_in(path):
+    """The model's state_dict in a file: this collection's checkpoint, another tool's ("state_dict"), or one alone."""
+    ckpt = common.read_checkpoint(path)
+    state = ckpt.get("model", ckpt.get("state_dict", ckpt)) if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
+        raise common.UsageError(f"{path} holds no state_dict (no 'model' or 'state_dict' entry of tensors)")
+    return dict(state)
 
 
 def listed(names):

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import types
 import warnings
 
 import torch
@@ -97,8 +98,8 @@ def find(run):
         path = max(found + [last] * os.path.exists(last), key=written, default=None)
     if path and os.path.isdir(path):
         return read(path, run)
-    file_args = argparse.Namespace(**{**vars(args), "resume": path})
-    return common.find_checkpoint(file_args, out_dir, run.raw_model, run.global_batch)
+    return common.find_checkpoint(types.SimpleNamespace(**{**vars(run), "args": argparse.Namespace(**{
+        **vars(args), "resume": path})}))
 
 
 def read(path, run):
@@ -109,16 +110,9 @@ def read(path, run):
     meta, keys = {}, {p[0] for p in names.values()} - {"model", "optimizer"}
     _load_state_dict(meta, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
                      no_dist=True)  # rank 0 alone
-    shapes = {names[k][1]: tuple(m.size) for k, m in saved.state_dict_metadata.items() if names[k][0] == "model"}
-    a, own = meta.get("args", {}), {k: tuple(v.shape) for k, v in run.raw_model.state_dict().items()}
-    if shapes != own or ("optimizer", "param_groups") not in {p[:2] for p in names.values()} or \
-            a.get("freeze_backbone", False) != run.args.freeze_backbone:
-        raise common.UsageError(f"{path} is not a training state of this model and flags (another --model, classes or "
-                                "channels, --freeze-backbone)")
-    if (batch := meta.get("global_batch") or a["batch_size"] * a.get("grad_accum", 1) * meta["world_size"]) \
-            != run.global_batch:
-        raise common.UsageError(f"{path} was trained with a global batch of {batch}, this run's is "
-                                f"{run.global_batch}: keep --batch-size x processes x --grad-accum = {batch}")
+    shapes = {names[k][1]: torch.Size(m.size) for k, m in saved.state_dict_metadata.items() if names[k][0] == "model"}
+    has_optimizer = ("optimizer", "param_groups") in {p[:2] for p in names.values()}
+    common.check_fits(path, {**meta, "optimizer": None} if has_optimizer else meta, shapes, run)
     return {**meta, "sharded": path}
 
 
@@ -141,7 +135,7 @@ def load(meta, run):
     dcp.load(state, checkpoint_id=meta["sharded"])
     set_state_dict(run.raw_model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     run.scheduler.load_state_dict(meta["scheduler"])
-    common.restore_rng(meta, run.rank, run.world_size, run.args.seed, run.device)
+    common.restore_rng(meta, run)
 
 
 def to_file(src, dst):
@@ -164,7 +158,7 @@ def to_folder(src, dst):
     code in the file runs)."""
     if os.path.exists(dst):
         raise common.UsageError(f"{dst} exists: give a new folder")
-    ckpt, _ = common.read_checkpoint(src)
+    ckpt = common.read_checkpoint(src)
     dcp.save(ckpt, checkpoint_id=f"{dst}.tmp", no_dist=True)
     os.replace(f"{dst}.tmp", dst)
 
