@@ -1,5 +1,6 @@
-"""What the scripts share that does not depend on how their processes are launched. Extras (other datasets, models,
-fine-tuning, sharded checkpoints, torchrun restarts) are in train_extras/, imported only when a flag asks for them."""
+"""What the scripts share that does not depend on how their processes are launched. The built-in data and models
+(the defaults included), fine-tuning, sharded checkpoints and torchrun restarts are in train_extras/, imported only
+where a flag or a default asks for them: with your own Dataset and nn.Module, a script and this file run alone."""
 import argparse
 import contextlib
 import datetime
@@ -13,16 +14,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 
 class UsageError(Exception):
-    """Ends the run (common.run): the message printed once, by rank `printer` (None: each rank that raised it), and
-    exit status `code`: 2 for bad input; 1 for a NaN/inf loss, 3 for a rank that stopped answering, 0 or 143 for a
-    stop signal (docs/failures.md)."""
+    """Ends the run (common.run): the message printed once, by rank `printer` (None: each rank that raised it), then
+    exit status `code`: 2 bad input, 1 a NaN/inf loss, 3 a rank that stopped answering, 0/143 a stop signal."""
 
     def __init__(self, message, code=2, printer=0):
         super().__init__(message)
@@ -46,14 +44,6 @@ def number(kind, low, high=math.inf, above=False):
         return value
     parse.__name__ = kind.__name__
     return parse
-
-
-def shape(text):
-    """'CxHxW' (e.g. 3x224x224) as (C, H, W): an argparse type."""
-    c, h, w = map(int, text.lower().split("x"))  # a ValueError: argparse says "invalid shape value"
-    if min(c, h - 6, w - 6) < 1:
-        raise argparse.ArgumentTypeError(f"must be CxHxW with C >= 1 and H, W >= 7, got {text!r}")
-    return c, h, w
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,13 +81,13 @@ def get_parser(doc):
     p = Parser(description=doc, formatter_class=Formatter)
     a, positive = p.add_argument, number(int, 1)
     a("--dataset", default="synthetic", choices=["synthetic", "mnist", "cifar10", "imagefolder"],
-      help="synthetic (offline, MNIST-shaped), or with train_extras/datasets.py: mnist, cifar10, imagefolder")
+      help="synthetic (offline), mnist, cifar10, imagefolder: all train_extras/datasets.py's")
     a("--data-dir", default="./data", help="mnist/cifar10: downloaded here; imagefolder: the folder of train/, val/")
     a("--train-size", type=positive, help="training samples (synthetic: default 10000; real data: a random subset)")
     a("--val-size", type=positive, help="validation samples (synthetic: default 2000; real data: a random subset)")
     a("--image-size", type=number(int, 7), help="imagefolder: resize to this square (default 224)")
-    a("--synthetic-shape", type=shape, default="1x28x28", help="synthetic: CxHxW, e.g. 3x224x224")
-    a("--model", default="cnn", help="cnn (a small 2-conv net) or, with train_extras/models.py, a torchvision one")
+    a("--synthetic-shape", default="1x28x28", help="synthetic: CxHxW, e.g. 3x224x224 (H, W at least 7)")
+    a("--model", default="cnn", help="train_extras/models.py's: cnn (a small 2-conv net) or a torchvision model")
     tune = p.add_mutually_exclusive_group().add_argument  # fine-tuning: train_extras/finetune.py
     tune("--pretrained", action="store_true", help="start from the torchvision model's ImageNet weights, a new head")
     tune("--weights", help="start from this state_dict or checkpoint: the tensors that match by name and shape")
@@ -144,15 +134,14 @@ def optional(name, flag):
 
 
 def one_of_several():
-    """The launcher that started this process as one of several, or None."""
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return "torchrun"
     return "srun" if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 else None
 
 
 def set_threads_and_math(local_world_size, deterministic):
-    """This machine's cores shared among its processes (torchrun does so with several, srun never); TF32 and
-    autotuned convolutions on GPUs, unless --deterministic."""
+    """This machine's cores shared among its processes (as torchrun does with several; srun never); TF32 and autotuned
+    convolutions on GPUs, unless --deterministic."""
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux only
         torch.set_num_threads(max(1, cores // local_world_size))
@@ -175,31 +164,16 @@ def on_rank0(fn, rank):
     return result
 
 
-# ---- the default data and model: replace them with your own Dataset and nn.Module
-def synthetic(n, seed, shape):
-    """Learnable, not trivially: 10 smooth class templates (the same for seed and seed + 10**6) under random
-    shifts, contrast and noise."""
-    c, h, w = shape
-    templates = F.interpolate(torch.randn(10, c, 7, 7, generator=torch.Generator().manual_seed(seed % 10**6)),
-                              size=(h, w), mode="bilinear", align_corners=False)
-    g, pad = torch.Generator().manual_seed(seed), min(h, w) // 7
-    y, shifts = torch.randint(0, 10, (n,), generator=g), torch.randint(0, 2**31 - 1, (n,), generator=g)
-    dy, dx, padded = (shifts >> 1) % (2 * pad + 1), (shifts >> 9) % (2 * pad + 1), F.pad(templates[y], (pad,) * 4)
-    x = torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
-    return x * (0.5 + torch.rand(n, 1, 1, 1, generator=g)) + 1.2 * torch.randn(n, c, h, w, generator=g), y
-
-
+# ---- the data and the model: replace these two calls with your own Dataset and nn.Module
 def load_data(args, download=False):
-    """(train_set, val_set): map-style datasets of (x, label). download=True: the process that may fetch files."""
-    if args.dataset != "synthetic":
-        return optional("datasets", f"--dataset {args.dataset}").load(args, download)
-    shape = (3, *args.synthetic_shape[1:]) if args.pretrained else args.synthetic_shape  # ImageNet weights want RGB
-    (xt, yt), (xv, yv) = (synthetic(n, args.seed + k, shape) for n, k in ((args.train_size or 10000, 0),
-                                                                          (args.val_size or 2000, 10**6)))
-    mean, std = xt.mean(), xt.std()
-    sets = TensorDataset((xt - mean) / std, yt), TensorDataset((xv - mean) / std, yv)
-    sets[0].classes = sets[1].classes = 10  # however few samples are drawn
-    return sets
+    """(train_set, val_set): map-style datasets of (x, label), train_extras/datasets.py's (synthetic, the default,
+    included). download=True: the one process that may fetch files."""
+    return optional("datasets", f"--dataset {args.dataset}").load(args, download)
+
+
+def make_model(name, channels, classes):
+    """train_extras/models.py's (cnn, the default, or a torchvision model)."""
+    return optional("models", f"--model {name}").make(name, channels, classes)
 
 
 def channels_and_classes(ds):
@@ -229,26 +203,6 @@ def to_device(run, ds, x, y):
     x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
     return x.contiguous(memory_format=torch.channels_last) if run.args.channels_last and x.ndim == 4 else x, y
-
-
-class Net(nn.Module):
-    """The 2-conv net of the MNIST tutorials, without dropout; the adaptive pool takes any image size."""
-
-    def __init__(self, channels=1, classes=10):
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(channels, 32, 3), nn.Conv2d(32, 64, 3)
-        self.pool = nn.AdaptiveMaxPool2d(12)  # = max_pool2d(2) on 28x28 inputs
-        self.fc1, self.fc2 = nn.Linear(64 * 12 * 12, 128), nn.Linear(128, classes)
-
-    def forward(self, x):
-        x = self.pool(F.relu(self.conv2(F.relu(self.conv1(x)))))
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def make_model(name, channels, classes):
-    """cnn, or a torchvision model (train_extras/models.py)."""
-    return Net(channels, classes) if name == "cnn" else \
-        optional("models", f"--model {name}").make(name, channels, classes)
 
 
 def make_optimizer(args, model, steps_per_epoch):
@@ -487,24 +441,24 @@ def run(main, args, rank):
     """main(args), ending as docs/failures.md says: an error as one line printed once, and its exit status."""
     for sig in [getattr(signal, "SIGUSR1", signal.SIGTERM), signal.SIGTERM]:  # (Windows has no SIGUSR1)
         signal.signal(sig, note_signal)
+    code = None
     try:
         main(args)
     except RuntimeError:
-        if received == signal.SIGTERM:  # told to stop, and a peer has left already (a launcher stops them all)
-            sys.exit(128 + signal.SIGTERM)
-        raise
+        if received != signal.SIGTERM:  # else: told to stop, and a peer has left already (a launcher stops them all)
+            raise
+        code = 128 + signal.SIGTERM
     except UsageError as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
-        printer = e.printer in (None, rank)
-        print(e if e.code in (0, 143) else f"error: {e}", file=sys.stderr, flush=True) if printer else None
+        if printer := e.printer in (None, rank):
+            print(e if e.code in (0, 143) else f"error: {e}", file=sys.stderr, flush=True)
         # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,
         # and one that has not reached run() yet dies of the SIGTERM that torchrun sends once a first one exits
         time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)
-        dist.destroy_process_group() if dist.is_initialized() else None
-        # and without the interpreter's teardown, where gloo's threads, freeing a collective's tensors, now and then
-        # hang the process (torch 2.11: 1 in about 8 two-process NaN stops). Upstream: pytorch/pytorch#190489
-        sys.stdout.flush()
-        os._exit(e.code)
+        code = e.code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if code is not None:  # and without the interpreter's teardown, where gloo's threads, freeing a collective's
+        sys.stdout.flush()  # tensors, now and then hang the process (torch 2.11: 1 in about 8 two-process NaN stops).
+        os._exit(code)  # Upstream: pytorch/pytorch#190489

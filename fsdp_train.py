@@ -86,14 +86,9 @@ def refuse(args, world_size):
     if args.sync_bn:
         raise common.UsageError("--sync-bn is not supported with FSDP (fully_shard does not handle SyncBatchNorm): "
                                 "use ddp_launch_train.py --sync-bn, or a model with GroupNorm/LayerNorm")
-    if args.precision == "fp16":
-        raise common.UsageError("--precision fp16 is not offered: use bf16, which has fp32's range and needs no "
-                                "GradScaler (fp16 under FSDP would need a sharded grad scaler)")
     if world_size % args.replicate:
         raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into equal "
                                 "groups: give a divisor, such as the number of machines")
-    if args.async_save and args.ckpt_format != "dcp":
-        raise common.UsageError("--async-save needs --ckpt-format dcp: it writes sharded checkpoints in the background")
 
 
 def build_data(run):
@@ -122,7 +117,6 @@ def build_model(run):
     if args.pretrained or args.weights or args.freeze_backbone:
         run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
-    # [fsdp] no SyncBatchNorm (setup_distributed refuses --sync-bn)
     if args.weights:  # [fsdp] read on rank 0 only, and FSDP2 does not broadcast at wrapping: sent to every rank here
         for t in run.raw_model.state_dict().values():
             dist.broadcast(t, 0)
@@ -142,12 +136,10 @@ def make_mesh(run):
 
 
 def shard(model, mesh, precision, reshard_after_forward):
-    """fully_shard bottom-up: each top-level child that holds parameters is a group of its own (cnn: conv1, conv2,
-    fc1, fc2; resnet: conv1, layer1..layer4, fc), all-gathered in one collective just before it runs; then the root,
-    whose group takes what is left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32;
-    but each BatchNorm is a group of its own that computes in fp32 (input cast up, weights fp32 like its running
-    statistics) and hands bf16 on. (torch 2.15's param_dtype_override_fn would do that without a group each; it does
-    not exist on 2.11-2.14.)"""
+    """fully_shard bottom-up: each top-level child with parameters a group, all-gathered in one collective just before
+    it runs (resnet: conv1, layer1..layer4, fc); then the root, for what is left. bf16: parameters gathered and
+    computed in bfloat16, gradients reduced in fp32; each BatchNorm a group that computes in fp32 and hands bf16 on
+    (torch 2.15's param_dtype_override_fn would do that without a group each; 2.11-2.14 lack it)."""
     kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), torch.nn.modules.batchnorm._BatchNorm
     bf16 = torch.bfloat16 if precision == "bf16" else None  # None: computed as they are, in fp32
     for m in model.modules() if bf16 else ():
@@ -322,22 +314,13 @@ def held_bytes(run):
             "replicate": args.replicate}
 
 
-def describe(run):
-    """Rank 0's first line: the processes, and how the model is sharded."""
-    args, hsdp = run.args, f"HSDP: {run.args.replicate} copies of {run.world_size // run.args.replicate} shards, "
-    return (f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, global batch "
-            f"{run.global_batch}, {args.precision}, {'' if args.reshard_after_forward else 'no '}reshard after "
-            f"forward, {hsdp if args.replicate > 1 else ''}{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB "
-            "of parameters per rank")
-
-
 def main(args):
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     run.sharded = (common.optional("sharded", "--ckpt-format dcp").Saver(run)  # [fsdp] each rank writes its part
-                   if args.ckpt_format == "dcp" else None)
+                   if args.ckpt_format == "dcp" or args.async_save else None)
     build_data(run)
     build_model(run)
     saved = resume(run)
@@ -348,7 +331,11 @@ def main(args):
         return
     if master:
         common.start_output(run)
-        print(describe(run) + (f", resuming at step {progress.step}" if progress.step else ""))  # [fsdp]
+        hsdp = f"HSDP: {args.replicate} copies of {run.world_size // args.replicate} shards, "  # [fsdp]
+        print(f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, global "  # [fsdp]
+              f"batch {run.global_batch}, {args.precision}, {'' if args.reshard_after_forward else 'no '}reshard after "
+              f"forward, {hsdp * (args.replicate > 1)}{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
+              + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
@@ -376,8 +363,9 @@ if __name__ == "__main__":
     parser.sharded = True  # [fsdp] --ckpt-format dcp, --async-save
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--sync-bn", action="store_true", help="not with FSDP: use ddp_launch_train.py")  # [fsdp]
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",  # [fsdp]
-                        help="bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",  # [fsdp]
+                        help="bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32 (no "
+                        "fp16: it would need a sharded GradScaler, and bf16 has fp32's range)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,  # [fsdp]
                         help="free each block's gathered parameters after its forward, gather again for its backward "
                         "(least memory, ZeRO-3); --no-...: kept until the backward, one all-gather fewer (ZeRO-2-like)")

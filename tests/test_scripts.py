@@ -100,8 +100,8 @@ def test_default_run_reaches_95_percent(tmp_path):
 
 
 def _synthetic_uint8(n, seed):
-    import common
-    x, y = common.synthetic(n, seed, (1, 28, 28))
+    from train_extras import datasets
+    x, y = datasets.synthetic(n, seed, (1, 28, 28))
     x = ((x.clamp(-2.5, 2.5) + 2.5) / 5 * 255).to(torch.uint8)[:, 0]
     return x, y
 

@@ -49,8 +49,6 @@ def refused(argv, capsys, monkeypatch):
     (["--max-steps", "0"], "argument --max-steps"),
     (["--clip-grad", "0"], "argument --clip-grad: must be above 0"),
     (["--step-timeout", "0"], "argument --step-timeout: must be above 0"),
-    (["--synthetic-shape", "3x4"], "argument --synthetic-shape: invalid shape value: '3x4'"),
-    (["--synthetic-shape", "3x4x4"], "argument --synthetic-shape: must be CxHxW with C >= 1 and H, W >= 7"),
     (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
     (["--overwrite", "--resume", "auto"], "argument --resume: not allowed with argument --overwrite"),
     (["--pretrained", "--weights", "w.pt"], "argument --weights: not allowed with argument --pretrained"),
@@ -70,7 +68,7 @@ def test_only_rank_0_says_why(capsys, monkeypatch):
 
 def test_the_defaults_parse_and_help_shows_them():
     args = common.get_parser("").parse_args([])
-    assert (args.batch_size, args.dataset, args.synthetic_shape) == (64, "synthetic", (1, 28, 28))
+    assert (args.batch_size, args.dataset, args.synthetic_shape) == (64, "synthetic", "1x28x28")
     text = common.get_parser("").format_help()
     assert "(default: 64)" in text and "(default: synthetic)" in text
 
@@ -122,6 +120,13 @@ def test_one_class_is_refused(tmp_path):
     train, _ = common.load_data(defaults(dataset="imagefolder", data_dir=str(tmp_path), image_size=8))
     with pytest.raises(common.UsageError, match="at least 2"):
         common.channels_and_classes(train)
+
+
+@pytest.mark.parametrize("shape", ["3x4", "3x4x4", "0x28x28", "axbxc"])
+def test_a_bad_synthetic_shape_is_one_line(shape):
+    """Checked where the synthetic data is built (train_extras/datasets.py), on rank 0 before anything is written."""
+    with pytest.raises(common.UsageError, match=f"^--synthetic-shape {shape}: give CxHxW with C >= 1 and H, W >= 7$"):
+        common.load_data(defaults(synthetic_shape=shape))
 
 
 def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):

@@ -1,3 +1,4 @@
-"""Optional modules that the training scripts import only when a flag asks for them (common.optional): other
-datasets, torchvision models, fine-tuning, sharded checkpoints, torchrun restarts. A script and common.py run
-alone without those flags: copy this folder too only if you use them."""
+"""Optional modules that the training scripts import only when a flag, or a default, asks for them (common.optional):
+the built-in data (synthetic, the default, and MNIST, CIFAR-10, image folders) and models (cnn, the default, and
+torchvision's), fine-tuning, sharded checkpoints, torchrun restarts. With your own Dataset and nn.Module in place of
+common.load_data and common.make_model (README, "Adapting"), a script and common.py run alone."""

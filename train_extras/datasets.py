@@ -1,6 +1,6 @@
-"""--dataset mnist, cifar10 and imagefolder (common.load_data builds the synthetic data itself). Random augmentation
-is drawn from (seed, epoch, index) alone, never from a worker's generator: results do not depend on --workers.
-The scripts call a dataset's set_epoch(epoch) before each epoch's DataLoader."""
+"""--dataset synthetic (the default: offline, in memory), mnist, cifar10 and imagefolder: what common.load_data
+returns. Random augmentation is drawn from (seed, epoch, index) alone, never from a worker's generator: results do
+not depend on --workers. The scripts call a dataset's set_epoch(epoch) before each epoch's DataLoader."""
 import os
 
 import torch
@@ -16,12 +16,45 @@ STATS = {"mnist": ([0.1307], [0.3081]), "cifar10": ([0.4914, 0.4822, 0.4465], [0
 def load(args, download=False):
     """(train_set, val_set) for --dataset. download=True: the one process that may fetch files (rank 0, before the
     others). With --pretrained: the weights' normalization, and grayscale repeated to the 3 channels they expect."""
+    if args.dataset == "synthetic":
+        return synthetic_sets(args)
     weights = None
     if args.pretrained:
         weights = common.optional("finetune", "--pretrained").pretrained_weights(args.model)
     if args.dataset == "imagefolder":
         return image_folder(args, weights, download)
     return tuple(in_memory(args, train, weights, download) for train in (True, False))
+
+
+def synthetic(n, seed, shape):
+    """Learnable, not trivially: 10 smooth class templates (the same for seed and seed + 10**6) under random
+    shifts, contrast and noise."""
+    c, h, w = shape
+    templates = F.interpolate(torch.randn(10, c, 7, 7, generator=torch.Generator().manual_seed(seed % 10**6)),
+                              size=(h, w), mode="bilinear", align_corners=False)
+    g, pad = torch.Generator().manual_seed(seed), min(h, w) // 7
+    y, shifts = torch.randint(0, 10, (n,), generator=g), torch.randint(0, 2**31 - 1, (n,), generator=g)
+    dy, dx, padded = (shifts >> 1) % (2 * pad + 1), (shifts >> 9) % (2 * pad + 1), F.pad(templates[y], (pad,) * 4)
+    x = torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+    return x * (0.5 + torch.rand(n, 1, 1, 1, generator=g)) + 1.2 * torch.randn(n, c, h, w, generator=g), y
+
+
+def synthetic_sets(args):
+    """--train-size and --val-size samples of --synthetic-shape (RGB with --pretrained: ImageNet weights want it),
+    normalized with the training set's mean and std; 10 classes, however few samples are drawn."""
+    try:
+        shape = tuple(map(int, args.synthetic_shape.lower().split("x")))
+        c, h, w = (3, *shape[1:]) if args.pretrained else shape
+    except ValueError:
+        c = h = w = 0
+    if min(c, h - 6, w - 6) < 1:
+        raise common.UsageError(f"--synthetic-shape {args.synthetic_shape}: give CxHxW with C >= 1 and H, W >= 7")
+    (xt, yt), (xv, yv) = (synthetic(n, args.seed + k, (c, h, w)) for n, k in ((args.train_size or 10000, 0),
+                                                                          (args.val_size or 2000, 10**6)))
+    mean, std = xt.mean(), xt.std()
+    sets = TensorDataset((xt - mean) / std, yt), TensorDataset((xv - mean) / std, yv)
+    sets[0].classes = sets[1].classes = 10
+    return sets
 
 
 def random_subset(n_all, n, seed):

@@ -1,12 +1,30 @@
-"""--model <a torchvision model>: any classification model of torchvision, for this data's classes and channels."""
+"""--model: cnn (the default, a small 2-conv net) or any classification model of torchvision, for this data's
+classes and channels: what common.make_model returns."""
 import torch.nn as nn
-import torchvision
+import torch.nn.functional as F
 
 import common
 
 
+class Net(nn.Module):
+    """The 2-conv net of the MNIST tutorials, without dropout; the adaptive pool takes any image size."""
+
+    def __init__(self, channels=1, classes=10):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(channels, 32, 3), nn.Conv2d(32, 64, 3)
+        self.pool = nn.AdaptiveMaxPool2d(12)  # = max_pool2d(2) on 28x28 inputs
+        self.fc1, self.fc2 = nn.Linear(64 * 12 * 12, 128), nn.Linear(128, classes)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv2(F.relu(self.conv1(x)))))
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
 def make(name, channels, classes):
-    """torchvision's model `name` for `classes` classes, its first conv made for `channels` channels."""
+    """cnn, or torchvision's model `name` for `classes` classes, its first conv made for `channels` channels."""
+    if name == "cnn":
+        return Net(channels, classes)
+    import torchvision  # only for its models: the cnn does without
     if name not in torchvision.models.list_models(module=torchvision.models):
         raise common.UsageError(f"unknown --model {name!r}: use cnn or a torchvision classification model, e.g. "
                                 "resnet18")
