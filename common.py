@@ -27,12 +27,6 @@ class UsageError(Exception):
         self.code, self.printer = code, printer
 
 
-def stopped(signum, step):
-    """Every rank saved at one step after a signal: exit 0 after SIGUSR1 (requeue, --resume auto), 143 after SIGTERM."""
-    return UsageError(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was saved: --resume "
-                      "auto continues from there", 128 + signum if signum == signal.SIGTERM else 0)
-
-
 # ---- the command line: the same flags, with the same meanings, in every script
 def number(kind, low, high=math.inf, above=False):
     """An argparse type: an int or float at least `low` (above it, if `above`) and below `high` (NaN, inf: never)."""
@@ -49,26 +43,23 @@ def number(kind, low, high=math.inf, above=False):
 class Parser(argparse.ArgumentParser):
     one_process, sharded = None, False  # a one-process script: why a launcher is wrong; fsdp_train.py: sharded saves
 
-    def error(self, message):  # bad flags: one line, once (not once per process of a launcher), exit 2
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
-        first = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
-        time.sleep((0.5 if one_of_several() else 0) + (0 if first else 0.5))  # all here, then rank 0 says why first
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr) if first else None
-        sys.exit(2)
+    def error(self, message):  # one line, printed once by common.run (not once per process of a launcher), exit 2
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
-    def parse_args(self, *a, **kw):  # and the checks of this machine and this script
-        args = super().parse_args(*a, **kw)
-        if self.one_process and one_of_several():
-            self.error(f"{self.prog} {self.one_process}: start it with python, not {one_of_several()}")
-        if (args.ckpt_format == "dcp" or args.async_save) and not self.sharded:
-            self.error("--ckpt-format dcp and --async-save are fsdp_train.py's: a whole copy of the model saves "
-                       "faster as one last.pt (docs/fsdp.md)")
-        if args.freeze_backbone and not (args.pretrained or args.weights):
-            self.error("--freeze-backbone needs --pretrained or --weights: a random backbone is not worth freezing")
-        if args.device == "cuda" and not torch.cuda.is_available():
-            self.error("--device cuda, but this machine has no CUDA GPU (or this torch build has no CUDA)")
-        if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            self.error("--tensorboard needs the tensorboard package: pip install tensorboard")
+    def parse_args(self, *a, **kw):  # and the checks of flags together, of this machine and of this script
+        args, launcher = super().parse_args(*a, **kw), one_of_several()
+        for wrong, why in [
+                (self.one_process and launcher, f"{self.prog} {self.one_process}: start it with python, not {launcher}"),
+                ((args.ckpt_format == "dcp" or args.async_save) and not self.sharded, "--ckpt-format dcp and "
+                 "--async-save are fsdp_train.py's: a whole copy of the model saves faster as one last.pt"),
+                (args.freeze_backbone and not (args.pretrained or args.weights), "--freeze-backbone needs --pretrained "
+                 "or --weights: a random backbone is not worth freezing"),
+                (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda, but this machine has no "
+                 "CUDA GPU (or this torch build has no CUDA)"),
+                (args.tensorboard and not importlib.util.find_spec("tensorboard"), "--tensorboard needs the "
+                 "tensorboard package: pip install tensorboard")]:
+            if wrong:
+                raise UsageError(why)
         return args
 
 
@@ -133,7 +124,7 @@ def optional(name, flag):
                          "this script") from None
 
 
-def one_of_several():
+def one_of_several():  # the launcher that started this process as one of several, if any
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return "torchrun"
     return "srun" if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 else None
@@ -171,18 +162,9 @@ def load_data(args, download=False):
     return optional("datasets", f"--dataset {args.dataset}").load(args, download)
 
 
-def make_model(name, channels, classes):
-    """train_extras/models.py's (cnn, the default, or a torchvision model)."""
-    return optional("models", f"--model {name}").make(name, channels, classes)
-
-
-def channels_and_classes(ds):
-    """(x's first dimension, the classes: the dataset's `classes`, a count or the names; else the labels')."""
-    classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else
-                                                      max(int(y) for _, y in ds))
-    if (classes := classes if isinstance(classes, int) else len(classes)) < 2:
-        raise UsageError(f"the data holds {classes} class: a classifier needs at least 2")
-    return ds[0][0].shape[0], classes
+def make_model(name, data):
+    """train_extras/models.py's (cnn, the default, or a torchvision model), for the channels and classes of `data`."""
+    return optional("models", f"--model {name}").for_data(name, data)
 
 
 def make_loader(ds, batches, run):
@@ -303,44 +285,50 @@ def note_signal(signum, _):
 
 
 class Progress:
-    """Where training stands, as a checkpoint keeps it, and the epoch's sums, on the device (no host sync a step)."""
+    """Where training stands, as a checkpoint keeps it; the epoch's sums (loss, gradient norm) on the device, read only
+    at the checks (no host sync a step); rank 0's progress bar."""
     CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
-    def __init__(self, steps_per_epoch, global_batch, device, saved=None):
-        saved = saved or {"epoch": 0, "loss_sum": 0.0}
-        self.epoch, self.saved_sums = saved["epoch"], (saved["loss_sum"], saved.get("grad_norm_sum", 0.0))
-        self.step_in_epoch = saved.get("samples_in_epoch", saved.get("step_in_epoch", 0) * global_batch) // global_batch
-        self.steps_per_epoch, self.global_batch, self.device = steps_per_epoch, global_batch, device
-        self.step = self.epoch * steps_per_epoch + self.step_in_epoch  # (format 1 counted steps, not samples)
-        self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=device)
+    def __init__(self, run, saved=None):
+        self.run, saved = run, saved or {"epoch": 0}
+        self.epoch, self.saved_sums = saved["epoch"], [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
+        steps = saved.get("step_in_epoch", 0)  # (format 1 counted the position in steps; format 2 in samples)
+        self.step_in_epoch = saved.get("samples_in_epoch", steps * run.global_batch) // run.global_batch
+        self.step = self.epoch * run.steps_per_epoch + self.step_in_epoch
+        self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=run.device)
         self.next_check, self.checked = self.step + 1, None
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
-        if epoch != self.epoch:
-            self.epoch, self.step_in_epoch = epoch, 0
-        sums = self.saved_sums if self.step_in_epoch else (0.0, 0.0)
-        self.loss_sum, self.norm_sum = (torch.tensor(s, dtype=torch.float64, device=self.device) for s in sums)
-        self.t0 = self.t1 = None  # the steady state: timed from the end of the epoch's first step (t0) to its end
+        self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
+        sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
+        self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.run.device), None, None
+        self.bar = tqdm(total=self.run.steps_per_epoch, initial=self.step_in_epoch, desc=f"epoch {epoch + 1}",
+                        leave=False, disable=None if self.run.rank == 0 else True)  # none in a log file
 
     def step_done(self, loss, norm=None):
+        """After each optimizer step: returns check()'s answer. `norm`: fp16's skipped steps (inf) count 0."""
         bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
         self.first_bad = torch.where(bad, self.step + 1, self.first_bad)
-        self.loss_sum += loss
-        self.norm_sum += 0.0 if norm is None else torch.nan_to_num(norm, nan=0.0, posinf=0.0)  # fp16 skips: 0
+        self.sums += torch.stack([loss, torch.zeros_like(loss) if norm is None else torch.nan_to_num(norm, 0.0, 0.0)])
         self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
-        self.t0 = self.t0 or (self.clock(), self.step)
+        self.t0 = self.t0 or (self.clock(), self.step)  # the steady state: timed from the end of the first step
+        self.bar.update()
+        return self.check(every_rank=self.save_due or self.last)
 
-    epoch_done = property(lambda self: self.step_in_epoch == self.steps_per_epoch)
+    epoch_done = property(lambda self: self.step_in_epoch == self.run.steps_per_epoch)
+    last = property(lambda self: self.epoch_done or self.step == self.run.args.max_steps)  # saved by the caller
+    save_due = property(lambda self: bool(self.run.args.save_every) and self.step % self.run.args.save_every == 0)
 
-    def check(self, args, every_rank=False):
-        """At its cadence, or at a step every rank asks for (`every_rank`), one all-reduce: a NaN/inf loss on any
-        rank stops all; a stop signal any rank got is returned (None between checks). The cadence is every
-        --log-every steps, or about every CHECK_S seconds if sooner, from the slowest rank's time, so that all agree.
-        After the first check, when start-up is over everywhere, collectives get --step-timeout."""
+    def check(self, every_rank):
+        """At its cadence, or at a step every rank asks for, one all-reduce: a NaN/inf loss on any rank stops all; a
+        stop signal any rank got is returned (None between checks). The cadence is every --log-every steps, or about
+        every CHECK_S seconds if sooner, from the slowest rank's time, so that all agree. After the first check, when
+        start-up is over everywhere, collectives get --step-timeout."""
+        args = self.run.args
         if not (every_rank or self.step >= self.next_check):
             return None
         seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
-        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
+        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.run.device)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)
@@ -351,42 +339,42 @@ class Progress:
         per_step = flags[2].item() / max(1, self.step - self.checked[0]) if self.checked else math.inf  # first: measure
         every = min(args.log_every - self.step % args.log_every, max(1, int(self.CHECK_S / max(per_step, 1e-9))))
         self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
+        if self.step % args.log_every == 0:
+            self.log_line()
         return int(flags[1].item())
 
+    def log_line(self):
+        """The numbers on the progress bar; in a log file, rank 0 prints them as one plain line."""
+        values = {"loss": f"{self.last_loss.item():.4f}", "lr": f"{self.run.scheduler.get_last_lr()[0]:.2e}",
+                  "samples_per_s": f"{self.samples_per_s():.0f}"}
+        if self.run.rank == 0 and self.bar.disable and not self.epoch_done:
+            print(f"epoch {self.epoch + 1}: step {self.step_in_epoch} of {self.run.steps_per_epoch}  "
+                  + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
+        self.bar.set_postfix(values, refresh=False)
+
     def clock(self):  # the GPU's queued work is part of the time
-        return (torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None) or time.perf_counter()
+        return (torch.cuda.synchronize(self.run.device) if self.run.device.type == "cuda" else None) or time.perf_counter()
 
     def end_epoch(self):
+        self.bar.close()
         self.t1 = self.clock()
 
     def samples_per_s(self):
-        return (self.step - self.t0[1]) * self.global_batch / max((self.t1 or self.clock()) - self.t0[0], 1e-9) \
+        return (self.step - self.t0[1]) * self.run.global_batch / max((self.t1 or self.clock()) - self.t0[0], 1e-9) \
             if self.t0 else 0.0
 
-    def state(self, loss_sum, norm_sum):
-        """What a checkpoint keeps; the sums so far averaged over the ranks. The position in the epoch is in samples."""
+    def state(self, sums):
+        """What a checkpoint keeps; `sums`: the epoch's so far, averaged over the ranks. The position is in samples."""
         epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
-        return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.global_batch,
-                "loss_sum": loss_sum if steps else 0.0, "grad_norm_sum": norm_sum if steps else 0.0,
-                "global_batch": self.global_batch}
+        return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.run.global_batch,
+                "loss_sum": sums[0] if steps else 0.0, "grad_norm_sum": sums[1] if steps else 0.0,
+                "global_batch": self.run.global_batch}
 
 
-def progress_bar(run):
-    """Rank 0's bar on a terminal; none in a log file (disable=None), where log_line prints plain lines."""
-    p = run.progress
-    return tqdm(total=p.steps_per_epoch, initial=p.step_in_epoch, desc=f"epoch {p.epoch + 1}", leave=False,
-                disable=None if run.rank == 0 else True)
-
-
-def log_line(run, bar):
-    """The numbers on the progress bar; in a log file, rank 0 prints them as one plain line."""
-    p = run.progress
-    values = {"loss": f"{p.last_loss.item():.4f}", "lr": f"{run.scheduler.get_last_lr()[0]:.2e}",
-              "samples_per_s": f"{p.samples_per_s():.0f}"}
-    if run.rank == 0 and bar.disable and not p.epoch_done:
-        print(f"epoch {p.epoch + 1}: step {p.step_in_epoch} of {p.steps_per_epoch}  "
-              + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
-    bar.set_postfix(values, refresh=False)
+def stopped(signum, step):
+    """Every rank saved at one step after a signal: exit 0 after SIGUSR1 (requeue, --resume auto), 143 after SIGTERM."""
+    return UsageError(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was saved: --resume "
+                      "auto continues from there", 128 + signum if signum == signal.SIGTERM else 0)
 
 
 def start_output(run):
@@ -402,9 +390,9 @@ def log_epoch(run, row):
     """Rank 0: the epoch's line in metrics.jsonl (its number fractional if --max-steps ended it), on screen, and with
     --tensorboard in an events file of its own (TensorBoard reads every one in --out-dir)."""
     p = run.progress
-    row = {"epoch": p.epoch + p.step_in_epoch / p.steps_per_epoch, "step": p.step, **row, "samples_per_s":
+    row = {"epoch": p.epoch + p.step_in_epoch / run.steps_per_epoch, "step": p.step, **row, "samples_per_s":
            p.samples_per_s(), "epoch_time_s": p.t1 - p.t0[0] if p.t0 else 0.0, "peak_mem_mb":
-           torch.cuda.max_memory_allocated(p.device) / 2**20 if p.device.type == "cuda" else None}
+           torch.cuda.max_memory_allocated(run.device) / 2**20 if run.device.type == "cuda" else None}
     with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if run.args.tensorboard:
@@ -437,13 +425,14 @@ def hangs_named(run):
         raise UsageError(f"a collective timed out: rank {missing} never arrived", 3, min(arrived)) from None
 
 
-def run(main, args, rank):
-    """main(args), ending as docs/failures.md says: an error as one line printed once, and its exit status."""
+def run(main, parse_args):
+    """main(parse_args()), ending as docs/failures.md says: an error as one line printed once (by the launcher's rank
+    0), and its exit status."""
     for sig in [getattr(signal, "SIGUSR1", signal.SIGTERM), signal.SIGTERM]:  # (Windows has no SIGUSR1)
         signal.signal(sig, note_signal)
-    code = None
+    rank, code = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))), None
     try:
-        main(args)
+        main(parse_args())
     except RuntimeError:
         if received != signal.SIGTERM:  # else: told to stop, and a peer has left already (a launcher stops them all)
             raise

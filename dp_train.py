@@ -79,7 +79,7 @@ def build_model(run):  # [dp]
     """The model on the first GPU, and DataParallel around it, which copies it to every GPU at every step."""
     args = run.args
     torch.manual_seed(args.seed)
-    run.raw_model = common.make_model(args.model, *common.channels_and_classes(run.train_set))
+    run.raw_model = common.make_model(args.model, run.train_set)
     if args.pretrained or args.weights or args.freeze_backbone:
         run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
@@ -126,7 +126,7 @@ def train_step(run, x, y):
 def train_one_epoch(run, epoch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
     loss over its steps and the ranks."""
-    args, progress = run.args, run.progress
+    progress = run.progress  # [dp] (the batches are run.global_batch)
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
     run.sampler.set_epoch(epoch)
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
@@ -134,30 +134,22 @@ def train_one_epoch(run, epoch):
     batches = list(BatchSampler(run.sampler, run.global_batch, drop_last=True))  # [dp] split over the GPUs later
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
     run.raw_model.train()
-    bar = common.progress_bar(run)  # rank 0's
     for x, y in loader:
         x, y = common.to_device(run, run.train_set, x, y)
-        progress.step_done(*train_step(run, x, y))
-        bar.update()
-        last = progress.epoch_done or progress.step == args.max_steps
-        save_due = bool(args.save_every) and progress.step % args.save_every == 0
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
-        stopping = progress.check(args, every_rank=save_due or last)
-        if stopping is not None and progress.step % args.log_every == 0:
-            common.log_line(run, bar)
-        if last:
+        stopping = progress.step_done(*train_step(run, x, y))
+        if progress.last:  # the epoch's end, or --max-steps: the caller saves
             break
-        if save_due or stopping:
+        if progress.save_due or stopping:
             save(run)
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
             raise common.stopped(stopping, progress.step)
-    bar.close()
     progress.end_epoch()
-    return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
+    return mean_over_ranks(progress.sums) / progress.step_in_epoch
 
 
-def mean_over_ranks(*sums):  # [dp] one process: nothing to average (named as in the DDP scripts, for comparing)
-    return torch.stack(sums)
+def mean_over_ranks(t):  # [dp] one process: nothing to average (named as in the DDP scripts, for comparing)
+    return t
 
 
 @torch.no_grad()
@@ -181,7 +173,7 @@ def save(run):  # [dp]
     progress, options = run.progress, StateDictOptions(full_state_dict=True, cpu_offload=True)  # on the CPU
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
     common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-                        **progress.state(progress.loss_sum.item(), progress.norm_sum.item()), "args": vars(run.args),
+                        **progress.state(progress.sums.tolist()), "args": vars(run.args),
                         "rng": [common.rng_state(run.device)], "world_size": 1}, os.path.join(run.out_dir, "last.pt"))
 
 
@@ -193,7 +185,7 @@ def main(args):
     build_data(run)
     build_model(run)
     saved = resume(run)
-    run.progress = progress = common.Progress(run.steps_per_epoch, run.global_batch, run.device, saved)
+    run.progress = progress = common.Progress(run, saved)
     if progress.step >= (args.max_steps or float("inf")):  # --max-steps is a budget: a resume may find it spent
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
@@ -227,5 +219,4 @@ if __name__ == "__main__":
     parser.add_argument("--gather-outputs", action="store_true",  # [dp]
                         help="the classic way: every output gathered on one GPU, the loss computed there")
     # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
-    args = parser.parse_args()
-    common.run(main, args, 0)  # [dp] one process
+    common.run(main, parser.parse_args)

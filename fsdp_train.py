@@ -113,7 +113,7 @@ def build_model(run):
     """The same model on every rank, then sharded in place: each rank keeps its 1/N of every parameter."""
     args = run.args
     torch.manual_seed(args.seed)
-    run.raw_model = common.make_model(args.model, *common.channels_and_classes(run.train_set))
+    run.raw_model = common.make_model(args.model, run.train_set)
     if args.pretrained or args.weights or args.freeze_backbone:
         run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
@@ -227,31 +227,22 @@ def train_one_epoch(run, epoch):
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
     run.raw_model.train()
-    bar = common.progress_bar(run)  # rank 0's
     for x, y in loader:
         x, y = common.to_device(run, run.train_set, x, y)
-        progress.step_done(*train_step(run, x, y))
-        bar.update()
-        last = progress.epoch_done or progress.step == args.max_steps
-        save_due = bool(args.save_every) and progress.step % args.save_every == 0
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
-        stopping = progress.check(args, every_rank=save_due or last)
-        if stopping is not None and progress.step % args.log_every == 0:
-            common.log_line(run, bar)
-        if last:
+        stopping = progress.step_done(*train_step(run, x, y))
+        if progress.last:  # the epoch's end, or --max-steps: the caller saves
             break
-        if save_due or stopping:
+        if progress.save_due or stopping:
             save(run, blocking=bool(stopping))  # [fsdp] a save on a stop signal is whole before the run ends
         if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
             raise common.stopped(stopping, progress.step)
-    bar.close()
     progress.end_epoch()
-    return mean_over_ranks(progress.loss_sum, progress.norm_sum) / progress.step_in_epoch
+    return mean_over_ranks(progress.sums) / progress.step_in_epoch
 
 
-def mean_over_ranks(*sums):
-    t = torch.stack(sums)
-    dist.all_reduce(t)
+def mean_over_ranks(t):
+    dist.all_reduce(t := t.clone())
     return t / dist.get_world_size()
 
 
@@ -287,7 +278,7 @@ def save(run, blocking=False):
     processes, with or without a GPU, and into a plain model with weights_only=True. --ckpt-format dcp: a ckpt-<step>
     folder of each rank's shards instead (train_extras/sharded.py; --async-save: in the background unless blocking)."""
     progress = run.progress
-    sums = mean_over_ranks(progress.loss_sum, progress.norm_sum).tolist()
+    sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(common.rng_state(run.device), rngs)
     if run.sharded:  # [fsdp] --ckpt-format dcp: each rank writes the tensors it holds, nothing is gathered
@@ -296,7 +287,7 @@ def save(run, blocking=False):
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
     if run.rank == 0:
         common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-                            **progress.state(*sums), "rng": rngs, "args": vars(run.args),
+                            **progress.state(sums), "rng": rngs, "args": vars(run.args),
                             "world_size": run.world_size}, os.path.join(run.out_dir, "last.pt"))
 
 
@@ -324,7 +315,7 @@ def main(args):
     build_data(run)
     build_model(run)
     saved = resume(run)
-    run.progress = progress = common.Progress(run.steps_per_epoch, run.global_batch, run.device, saved)
+    run.progress = progress = common.Progress(run, saved)
     if progress.step >= (args.max_steps or float("inf")):  # --max-steps is a budget: a resume may find it spent
         if master:
             print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
@@ -374,8 +365,7 @@ if __name__ == "__main__":
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    common.run(main, args, launcher_env()[0])
+    common.run(main, parser.parse_args)
     # [fsdp] a finished run, too, leaves without the interpreter's teardown (common.run says why): DTensor's caches keep
     # gloo's threads alive, and 1 in about 50 two-process CPU runs aborted there (exit -6). Every file is closed by now
     sys.stdout.flush(), sys.stderr.flush()  # [fsdp]

@@ -82,7 +82,7 @@ def bare_loop(a):
     if device.type == "cuda" and sum(t.nbytes for t in train_set.tensors) < 2**32:  # as common.make_loader does:
         train_set.tensors = tuple(t.to(device) for t in train_set.tensors)  # on the GPU if it fits, copied once
     torch.manual_seed(args.seed)
-    model = common.make_model(a.model, *common.channels_and_classes(train_set)).to(device, memory_format=fmt)
+    model = common.make_model(a.model, train_set).to(device, memory_format=fmt)
     if a.compile:
         model.compile()
     optimizer, scheduler = common.make_optimizer(args, model, a.steps)

@@ -93,7 +93,8 @@ def main():
     script.build_model(run)  # the model (sharded or wrapped), its optimizer and schedule
     x, y = (t[:args.batch_size].to(run.device) for t in run.train_set.tensors)
     script.train_step(run, x, y)  # the optimizer state now exists
-    run.progress = progress = common.Progress(10, run.global_batch, run.device)
+    run.steps_per_epoch = 10
+    run.progress = progress = common.Progress(run)
     progress.start_epoch(0)
     progress.step_done(torch.tensor(1.0, device=run.device))
     held = sum(t.numel() * t.element_size() for t in [*run.raw_model.state_dict().values(), *[

@@ -156,7 +156,7 @@ def test_the_readme_names_exactly_the_steps_left_uncompared():
 
 BREAKAGES = {  # what a script must not lose: the start of the lines that go
     # the agreement of all ranks on a NaN/inf loss and on a stop signal (common.Progress.check)
-    "progress.check": ["        stopping = progress.check(args, every_rank=save_due or last)"],
+    "progress.check": ["        stopping = progress.step_done(*train_step(run, x, y))"],
     "set_epoch": ["    run.sampler.set_epoch(epoch)"],
     "buffer broadcast": ["            for buffer in run.raw_model.buffers():",
                          "                dist.broadcast(buffer, src=0)"],

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+from train_extras import models
 from conftest import ROOT, alive, assert_exit, checkpoint, clean_env, descendants, kill_tree, max_diff, metrics, run
 from train_extras.sharded import to_file, to_folder
 
@@ -71,7 +72,7 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "tensorboard_missing": (["--tensorboard"], "pip install tensorboard"),
 }
 # also checked under torchrun -n 2
-TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline",
+TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline", "batch_size_0",
                  "sharded_resume"}
 
 
@@ -137,7 +138,7 @@ def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path
     for name, state in original["optimizer"]["state"].items():
         assert max_diff(back["optimizer"]["state"][name], state) == 0
     assert back["rng"][0]["cpu"].equal(original["rng"][0]["cpu"]) and back["scheduler"] == original["scheduler"]
-    common.make_model("cnn", 1, 10).load_state_dict(back["model"])
+    models.make("cnn", 1, 10).load_state_dict(back["model"])
     with pytest.raises(common.UsageError, match="empty is not a complete sharded checkpoint"):
         to_file(str(previous_run / "empty"), str(tmp_path / "none.pt"))
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+from train_extras import models
 from conftest import ROOT, assert_exit, checkpoint, clean_env, max_diff, metrics, run
 from test_proof import assert_same_training
 from train_extras.sharded import to_file
@@ -114,7 +115,7 @@ def assert_trains_like_ddp(fsdp, ddp, nproc, measured):
                          **FSDP_TOL)
     # a comparison that can fail: training moved the weights far from their initialization
     torch.manual_seed(0)
-    init = common.make_model("cnn", 1, 10).state_dict()
+    init = models.make("cnn", 1, 10).state_dict()
     assert max_diff(fsdp.ckpt["model"], init) >= 1e-2
     assert [r["step"] for r in fsdp.rows] == [16, 32]
     for f in fsdp.rows:
@@ -129,7 +130,7 @@ def evaluate_alone(ckpt):
     """Loss and accuracy of a checkpoint over the whole validation set, in this one process."""
     args = argparse.Namespace(**ckpt["args"])
     _, val_set = common.load_data(args)
-    model = common.make_model(args.model, *common.channels_and_classes(val_set))
+    model = common.make_model(args.model, val_set)
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
@@ -166,7 +167,7 @@ def memory_run(runs, nproc):
 def test_memory_per_rank_falls_as_one_over_world_size(runs):
     rows = {n: memory_run(runs, n).rows[-1] for n in (1, 2, 3)}
     torch.manual_seed(0)
-    numel = sum(p.numel() for p in common.make_model("resnet18", 1, 10).parameters())
+    numel = sum(p.numel() for p in models.make("resnet18", 1, 10).parameters())
     assert rows[1]["param_bytes"] == rows[1]["grad_bytes"] == rows[1]["optim_bytes"] == 4 * numel  # fp32, SGD momentum
     for n in (2, 3):
         for key in ("param_bytes", "grad_bytes", "optim_bytes"):
@@ -179,7 +180,7 @@ def test_memory_per_rank_falls_as_one_over_world_size(runs):
 def test_weights_reach_every_shard_and_a_rank_without_validation_samples_pads(runs):
     loaded, weights = memory_run(runs, 3), resnet(runs, FSDP, 2).ckpt["model"]
     torch.manual_seed(7)
-    params = [k for k, _ in common.make_model("resnet18", 1, 10).named_parameters()]
+    params = [k for k, _ in models.make("resnet18", 1, 10).named_parameters()]
     assert max_diff(loaded.ckpt["model"], weights, params) == 0.0  # --lr 0: exactly the loaded weights, every shard
     assert loaded.rows[-1]["val_count"] == 2 and loaded.rows[-1]["world_size"] == 3
 
@@ -282,8 +283,9 @@ SEE_DTYPES = """
 import json, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 import common, fsdp_train
+from train_extras import models
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-model = common.make_model("resnet18", 1, 10)
+model = models.make("resnet18", 1, 10)
 fsdp_train.shard(model, init_device_mesh("cpu", (1,)), "bf16", True)
 seen = set()
 def before(m, args):  # runs after FSDP's own pre-forward: the gathered weights and the cast input

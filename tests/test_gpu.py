@@ -133,7 +133,7 @@ def proof_run(runs, name, script=LAUNCH, nproc=1, *more):
 def assert_loads_without_a_gpu(path, model_name="cnn", channels=1, classes=10):
     """`path` loads with torch.load(weights_only=True) and no map_location in a process that sees no GPU, every
     tensor in it is on the CPU, and its model state loads into a plain model."""
-    code = ("import sys, torch, common\n"
+    code = ("import sys, torch\nfrom train_extras import models\n"
             "assert not torch.cuda.is_available()\n"
             "c = torch.load(sys.argv[1], weights_only=True)\n"
             "def walk(x):\n"
@@ -141,7 +141,7 @@ def assert_loads_without_a_gpu(path, model_name="cnn", channels=1, classes=10):
             "    elif isinstance(x, dict): yield from (t for v in x.values() for t in walk(v))\n"
             "    elif isinstance(x, (list, tuple)): yield from (t for v in x for t in walk(v))\n"
             "assert {t.device.type for t in walk(c)} == {'cpu'}, {t.device for t in walk(c)}\n"
-            f"common.make_model({model_name!r}, {channels}, {classes}).load_state_dict(c['model'])\n"
+            f"models.make({model_name!r}, {channels}, {classes}).load_state_dict(c['model'])\n"
             "print('loaded', len(c['model']))")
     p = subprocess.run([sys.executable, "-c", code, path], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                        timeout=120)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+from train_extras import models
 from conftest import checkpoint, max_diff, metrics, run
 
 # Noise measured at one thread per process (max-abs; losses and gradient norms relative), over the comparisons
@@ -78,7 +79,7 @@ def proof_run(session_dir):
 def initial_weights(seed=0):
     import common
     torch.manual_seed(seed)
-    return common.make_model("cnn", 1, 10).state_dict()
+    return models.make("cnn", 1, 10).state_dict()
 
 
 def assert_same_training(a, b, measured=None, what="", tol=DDP["tol"], momentum_tol=DDP["momentum_tol"],
@@ -255,7 +256,7 @@ def single_process_eval(out_dir):
     ckpt = checkpoint(out_dir)
     args = types.SimpleNamespace(**ckpt["args"])
     _, val_set = common.load_data(args)
-    model = common.make_model(args.model, *common.channels_and_classes(val_set))
+    model = common.make_model(args.model, val_set)
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
@@ -449,7 +450,7 @@ def test_fp16_trains_like_fp32_and_its_scaler_survives_resume(tmp_path):
     # to 3%), in every tensor. A step left scaled would land 65536 times too far, a skipped one leave the gap as
     # large as the move; and a gap of 0 would mean fp16 never ran
     torch.manual_seed(0)
-    init = common.make_model("cnn", 1, 10).state_dict()
+    init = models.make("cnn", 1, 10).state_dict()
     for k, w in fp32["model"].items():
         gap, moved = (straight["model"][k] - w).norm().item(), (w - init[k]).norm().item()
         assert 0 < gap <= 0.1 * moved, (k, gap, moved)

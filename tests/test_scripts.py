@@ -73,19 +73,19 @@ def test_metrics_format(script_run, name):
 @pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_checkpoint_format(script_run, name):
-    import common
+    from train_extras import models
     _, out = script_run(name)
     ckpt = checkpoint(out)  # weights_only=True: plain tensors and plain types only
     assert {"model", "optimizer", "scheduler", "epoch", "step_in_epoch", "args"} <= ckpt.keys()
     assert ckpt["epoch"] == 2 and ckpt["step_in_epoch"] == 0
-    names = list(common.make_model("cnn", 1, 10).state_dict())
+    names = list(models.make("cnn", 1, 10).state_dict())
     assert list(ckpt["model"]) == names  # no module. or _orig_mod. prefixes
     assert set(ckpt["optimizer"]["state"]) == set(names)  # optimizer state keyed by parameter name
     assert all("momentum_buffer" in s for s in ckpt["optimizer"]["state"].values())
     assert ckpt["optimizer"]["param_groups"][0]["params"] == names
     assert ckpt["args"]["batch_size"] == SCRIPTS[name][3][1] and isinstance(ckpt["args"], dict)
     assert ("scaler" in ckpt) == (name == "amp")
-    model = common.make_model("cnn", 1, 10)
+    model = models.make("cnn", 1, 10)
     model.load_state_dict(ckpt["model"])  # loads into a plain model, strict
 
 
@@ -167,10 +167,10 @@ def test_dp_model_with_loss_matches_plain_loss():
     """What dp_train.py's replicas return adds up to the usual mean loss over the whole batch."""
     import torch.nn.functional as F
 
-    import common
+    from train_extras import models
     import dp_train
     torch.manual_seed(0)
-    model = common.make_model("cnn", 1, 10)
+    model = models.make("cnn", 1, 10)
     x, y = torch.randn(10, 1, 28, 28), torch.randint(0, 10, (10,))
     # two replicas, each with its part of the batch, as DataParallel splits it over two GPUs
     parts = [dp_train.ModelWithLoss(model)(x[s], y[s]) for s in (slice(0, 6), slice(6, 10))]

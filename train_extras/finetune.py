@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import common
+from train_extras import models
 
 AUX_LOGITS = ("googlenet", "inception_v3")  # as train_extras/models.py builds them: no auxiliary outputs
 
@@ -18,7 +19,7 @@ def prepare(model, run):
     --weights is read on rank 0 only (nodes need not share a filesystem): DDP's wrapping, or the script, gives its
     weights to the others."""
     args = run.args
-    channels, classes = common.channels_and_classes(run.train_set)
+    channels, classes = models.channels_and_classes(run.train_set)
     head = head_names(args.model, channels, classes)
     if args.pretrained:  # one process per machine downloads them into the torch hub cache; then every rank reads it
         weights = pretrained_weights(args.model)  # every rank alike: a UsageError for a model without weights
@@ -78,10 +79,10 @@ def head_names(name, channels, classes):
     the model for one class more on the meta device: no memory, no weights initialized, no random numbers drawn)."""
     try:
         with torch.device("meta"):
-            a, b = (common.make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+            a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
     except NotImplementedError:  # a builder that computes its layer sizes with tensors (regnet): on the CPU
         with torch.random.fork_rng(devices=[]):
-            a, b = (common.make_model(name, channels, n).state_dict() for n in (classes, classes + 1))
+            a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
     return frozenset(k for k in a if a[k].shape != b[k].shape)
 
 

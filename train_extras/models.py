@@ -2,6 +2,7 @@
 classes and channels: what common.make_model returns."""
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 import common
 
@@ -37,3 +38,17 @@ def make(name, channels, classes):
         setattr(parent, key, nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                                        bias=conv.bias is not None))
     return model
+
+
+def channels_and_classes(ds):
+    """(x's first dimension, the classes: the dataset's `classes`, a count or the names; else the labels')."""
+    classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else
+                                                      max(int(y) for _, y in ds))
+    if (classes := classes if isinstance(classes, int) else len(classes)) < 2:
+        raise common.UsageError(f"the data holds {classes} class: a classifier needs at least 2")
+    return ds[0][0].shape[0], classes
+
+
+def for_data(name, ds):
+    """make(), for the channels and classes of the dataset `ds` (common.make_model)."""
+    return make(name, *channels_and_classes(ds))

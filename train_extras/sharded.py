@@ -55,7 +55,7 @@ class Saver:
         self.wait()
         state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))  # this rank's shards
         if run.rank == 0:
-            state.update(scheduler=run.scheduler.state_dict(), **run.progress.state(*sums), rng=rngs,
+            state.update(scheduler=run.scheduler.state_dict(), **run.progress.state(sums), rng=rngs,
                          args=vars(run.args), world_size=run.world_size)
         tmp = os.path.join(self.out_dir, f"ckpt-{run.progress.step}.tmp")
         # what every rank holds alike (BatchNorm's statistics, which may differ mid-epoch): rank 0's, as in last.pt
