@@ -24,8 +24,7 @@ import common
 
 
 class ModelWithLoss(nn.Module):
-    """The model and its criterion as one module: a replica on each GPU returns only its loss sum and correct count,
-    so that GPU 0 gathers a few numbers instead of every output (DataParallelModel/Criterion, without the package)."""
+    """The model and its loss as one module: each GPU's replica returns only its loss sum and correct count."""
 
     def __init__(self, model):
         super().__init__()
@@ -216,7 +215,6 @@ if __name__ == "__main__":
     parser.one_process = "is one process that drives every GPU (one process per GPU: ddp_launch_train.py)"  # [dp]
     parser.add_argument("--gpus", help="GPU numbers among the visible ones, e.g. 0,1; if not given, all")  # [dp]
     parser.add_argument("--output-device", type=int, help="the GPU that gathers (if not given, the first)")  # [dp]
-    parser.add_argument("--gather-outputs", action="store_true",  # [dp]
-                        help="the classic way: every output gathered on one GPU, the loss computed there")
+    parser.add_argument("--gather-outputs", action="store_true", help="the classic way: loss on one GPU")  # [dp]
     # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
     common.run(main, parser.parse_args)

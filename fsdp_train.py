@@ -56,8 +56,12 @@ def setup_distributed(args):
     rank, world_size, local_rank, local_world_size = launcher_env()
     use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     backend = args.backend or ("nccl" if use_cuda else "gloo")
-    # [fsdp] --sync-bn is refused on any device, with the other flags FSDP here does not take
-    refuse(args, world_size)  # [fsdp]
+    if args.sync_bn:  # [fsdp] on any device
+        raise common.UsageError("--sync-bn is not supported with FSDP (fully_shard does not handle SyncBatchNorm): "
+                                "use ddp_launch_train.py --sync-bn, or a model with GroupNorm/LayerNorm")
+    if world_size % args.replicate:  # [fsdp]
+        raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into equal "
+                                "groups: give a divisor, such as the number of machines")
     if backend == "nccl" and (not use_cuda or local_world_size > torch.cuda.device_count()):
         raise common.UsageError(f"--backend nccl needs one GPU per process: {local_world_size} processes on this "
                                 f"machine, {torch.cuda.device_count() if use_cuda else 0} GPUs (gloo can share one)")
@@ -79,16 +83,6 @@ def setup_distributed(args):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                                  store=store if world_size > 1 else None)
-
-
-def refuse(args, world_size):
-    """The flags fsdp_train.py refuses: a UsageError, which common.run prints once (before the process group)."""
-    if args.sync_bn:
-        raise common.UsageError("--sync-bn is not supported with FSDP (fully_shard does not handle SyncBatchNorm): "
-                                "use ddp_launch_train.py --sync-bn, or a model with GroupNorm/LayerNorm")
-    if world_size % args.replicate:
-        raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into equal "
-                                "groups: give a divisor, such as the number of machines")
 
 
 def build_data(run):

@@ -57,7 +57,7 @@ def cached_weights(torch_home):
 def fresh_model(name, channels, classes, seed=0):
     """The model a script builds before loading anything into it (it seeds, then builds)."""
     torch.manual_seed(seed)
-    return common.make_model(name, channels, classes).state_dict()
+    return models.make(name, channels, classes).state_dict()
 
 
 def one_line_with(output, words):

@@ -77,7 +77,6 @@ def proof_run(session_dir):
 
 
 def initial_weights(seed=0):
-    import common
     torch.manual_seed(seed)
     return models.make("cnn", 1, 10).state_dict()
 
