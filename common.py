@@ -290,20 +290,22 @@ class Progress:
     CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
     def __init__(self, run, saved=None):
-        self.run, saved = run, saved or {"epoch": 0}
+        # what it needs of the run, not the run itself (no reference cycle through it)
+        self.args, self.rank, self.device, self.scheduler = run.args, run.rank, run.device, run.scheduler
+        self.steps_per_epoch, self.global_batch, saved = run.steps_per_epoch, run.global_batch, saved or {"epoch": 0}
         self.epoch, self.saved_sums = saved["epoch"], [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
         steps = saved.get("step_in_epoch", 0)  # (format 1 counted the position in steps; format 2 in samples)
-        self.step_in_epoch = saved.get("samples_in_epoch", steps * run.global_batch) // run.global_batch
-        self.step = self.epoch * run.steps_per_epoch + self.step_in_epoch
-        self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=run.device)
+        self.step_in_epoch = saved.get("samples_in_epoch", steps * self.global_batch) // self.global_batch
+        self.step = self.epoch * self.steps_per_epoch + self.step_in_epoch
+        self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=self.device)
         self.next_check, self.checked = self.step + 1, None
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
-        self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.run.device), None, None
-        self.bar = tqdm(total=self.run.steps_per_epoch, initial=self.step_in_epoch, desc=f"epoch {epoch + 1}",
-                        leave=False, disable=None if self.run.rank == 0 else True)  # none in a log file
+        self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.device), None, None
+        self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, desc=f"epoch {epoch + 1}",
+                        leave=False, disable=None if self.rank == 0 else True)  # none in a log file
 
     def step_done(self, loss, norm=None):
         """After each optimizer step: returns check()'s answer. `norm`: fp16's skipped steps (inf) count 0."""
@@ -315,20 +317,20 @@ class Progress:
         self.bar.update()
         return self.check(every_rank=self.save_due or self.last)
 
-    epoch_done = property(lambda self: self.step_in_epoch == self.run.steps_per_epoch)
-    last = property(lambda self: self.epoch_done or self.step == self.run.args.max_steps)  # saved by the caller
-    save_due = property(lambda self: bool(self.run.args.save_every) and self.step % self.run.args.save_every == 0)
+    epoch_done = property(lambda self: self.step_in_epoch == self.steps_per_epoch)
+    last = property(lambda self: self.epoch_done or self.step == self.args.max_steps)  # saved by the caller
+    save_due = property(lambda self: bool(self.args.save_every) and self.step % self.args.save_every == 0)
 
     def check(self, every_rank):
         """At its cadence, or at a step every rank asks for, one all-reduce: a NaN/inf loss on any rank stops all; a
         stop signal any rank got is returned (None between checks). The cadence is every --log-every steps, or about
         every CHECK_S seconds if sooner, from the slowest rank's time, so that all agree. After the first check, when
         start-up is over everywhere, collectives get --step-timeout."""
-        args = self.run.args
+        args = self.args
         if not (every_rank or self.step >= self.next_check):
             return None
         seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
-        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.run.device)])
+        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)
@@ -345,30 +347,30 @@ class Progress:
 
     def log_line(self):
         """The numbers on the progress bar; in a log file, rank 0 prints them as one plain line."""
-        values = {"loss": f"{self.last_loss.item():.4f}", "lr": f"{self.run.scheduler.get_last_lr()[0]:.2e}",
+        values = {"loss": f"{self.last_loss.item():.4f}", "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
                   "samples_per_s": f"{self.samples_per_s():.0f}"}
-        if self.run.rank == 0 and self.bar.disable and not self.epoch_done:
-            print(f"epoch {self.epoch + 1}: step {self.step_in_epoch} of {self.run.steps_per_epoch}  "
+        if self.rank == 0 and self.bar.disable and not self.epoch_done:
+            print(f"epoch {self.epoch + 1}: step {self.step_in_epoch} of {self.steps_per_epoch}  "
                   + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
         self.bar.set_postfix(values, refresh=False)
 
     def clock(self):  # the GPU's queued work is part of the time
-        return (torch.cuda.synchronize(self.run.device) if self.run.device.type == "cuda" else None) or time.perf_counter()
+        return (torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None) or time.perf_counter()
 
     def end_epoch(self):
         self.bar.close()
         self.t1 = self.clock()
 
     def samples_per_s(self):
-        return (self.step - self.t0[1]) * self.run.global_batch / max((self.t1 or self.clock()) - self.t0[0], 1e-9) \
+        return (self.step - self.t0[1]) * self.global_batch / max((self.t1 or self.clock()) - self.t0[0], 1e-9) \
             if self.t0 else 0.0
 
     def state(self, sums):
         """What a checkpoint keeps; `sums`: the epoch's so far, averaged over the ranks. The position is in samples."""
         epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
-        return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.run.global_batch,
+        return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.global_batch,
                 "loss_sum": sums[0] if steps else 0.0, "grad_norm_sum": sums[1] if steps else 0.0,
-                "global_batch": self.run.global_batch}
+                "global_batch": self.global_batch}
 
 
 def stopped(signum, step):
@@ -390,7 +392,7 @@ def log_epoch(run, row):
     """Rank 0: the epoch's line in metrics.jsonl (its number fractional if --max-steps ended it), on screen, and with
     --tensorboard in an events file of its own (TensorBoard reads every one in --out-dir)."""
     p = run.progress
-    row = {"epoch": p.epoch + p.step_in_epoch / run.steps_per_epoch, "step": p.step, **row, "samples_per_s":
+    row = {"epoch": p.epoch + p.step_in_epoch / p.steps_per_epoch, "step": p.step, **row, "samples_per_s":
            p.samples_per_s(), "epoch_time_s": p.t1 - p.t0[0] if p.t0 else 0.0, "peak_mem_mb":
            torch.cuda.max_memory_allocated(run.device) / 2**20 if run.device.type == "cuda" else None}
     with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
@@ -448,6 +450,9 @@ def run(main, parse_args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if code is not None:  # and without the interpreter's teardown, where gloo's threads, freeing a collective's
-        sys.stdout.flush()  # tensors, now and then hang the process (torch 2.11: 1 in about 8 two-process NaN stops).
-        os._exit(code)  # Upstream: pytorch/pytorch#190489
+    # every way out, a finished run's too, skips the interpreter's teardown, where gloo's threads, freeing what the
+    # collectives used (DTensor's caches keep them alive too), now and then hang or abort the process (torch 2.11: 1
+    # in about 8 two-process NaN stops hung; 1 in about 50 two-process FSDP runs aborted, SIGABRT, and 3 of 15
+    # two-process spawn runs). Every file is closed by now. Upstream: pytorch/pytorch#190489
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code or 0)

@@ -185,7 +185,7 @@ def train_one_epoch(run, epoch):
 
 
 def mean_over_ranks(t):
-    dist.all_reduce(t := t.clone())
+    dist.all_reduce(t := t.clone())  # a copy: the running sums go on
     return t / dist.get_world_size()
 
 

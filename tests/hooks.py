@@ -13,6 +13,7 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
     paused-rank<r>         rank r waits after its optimizer step TEST_PAUSE_AT (the file holds its pid)
     handled-<SIG>-<pid>    process pid has taken signal SIG: its Python handler is running
     exit-rank<r>           rank r, having trained, called sys.exit or os._exit: the status it asked for
+    teardown-rank<r>       rank r, having trained, went through the interpreter's teardown (not left by os._exit)
     saving-rank<r>         the TEST_STALL_SAVE-th checkpoint that rank r writes with torch.save is half on disk (JSON:
                            path, bytes written, bytes in all, pid): the other half follows `go-save`
     stalled-rank<r>        rank r's part of a sharded (DCP) save, from the TEST_STALL_DCP-th on, is written, but
@@ -79,6 +80,9 @@ def _install():
             exit(code)
         return marked
     sys.exit, os._exit = _marking_exit(sys.exit), _marking_exit(os._exit)
+
+    import atexit  # its handlers run in the interpreter's teardown, which os._exit skips
+    atexit.register(lambda: _trained_as and _mark(f"teardown-rank{_trained_as[0]}"))
 
     import torch
     import torch.distributed as dist

@@ -142,7 +142,7 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
 
 
 def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
-    run = ns(steps_per_epoch=10, global_batch=32, device=torch.device("cpu"))
+    run = ns(args=None, rank=0, scheduler=None, steps_per_epoch=10, global_batch=32, device=torch.device("cpu"))
     progress = common.Progress(run, {"epoch": 1, "step_in_epoch": 3, "loss_sum": 6.0})
     assert (progress.step, progress.step_in_epoch) == (13, 3)  # format 1: steps only
     state = progress.state([6.0, 0.0])
