@@ -49,7 +49,8 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, *a, **kw):  # and the checks of flags together, of this machine and of this script
         args, launcher = super().parse_args(*a, **kw), one_of_several()
         for wrong, why in [
-                (self.one_process and launcher, f"{self.prog} {self.one_process}: start it with python, not {launcher}"),
+                (self.one_process and launcher, f"{self.prog} {self.one_process}: start it with python, not "
+                 f"{launcher}"),
                 ((args.ckpt_format == "dcp" or args.async_save) and not self.sharded, "--ckpt-format dcp and "
                  "--async-save are fsdp_train.py's: a whole copy of the model saves faster as one last.pt"),
                 (args.freeze_backbone and not (args.pretrained or args.weights), "--freeze-backbone needs --pretrained "
@@ -304,6 +305,7 @@ class Progress:
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.device), None, None
+        self.loss_sum, self.norm_sum = self.sums.unbind()  # views of it: one in-place add a step each
         self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, desc=f"epoch {epoch + 1}",
                         leave=False, disable=None if self.rank == 0 else True)  # none in a log file
 
@@ -311,7 +313,9 @@ class Progress:
         """After each optimizer step: returns check()'s answer. `norm`: fp16's skipped steps (inf) count 0."""
         bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
         self.first_bad = torch.where(bad, self.step + 1, self.first_bad)
-        self.sums += torch.stack([loss, torch.zeros_like(loss) if norm is None else torch.nan_to_num(norm, 0.0, 0.0)])
+        self.loss_sum += loss
+        if norm is not None:
+            self.norm_sum += torch.nan_to_num(norm, 0.0, 0.0)
         self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
         self.t0 = self.t0 or (self.clock(), self.step)  # the steady state: timed from the end of the first step
         self.bar.update()
@@ -329,14 +333,7 @@ class Progress:
         args = self.args
         if not (every_rank or self.step >= self.next_check):
             return None
-        seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
-        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)
-                getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
-                    datetime.timedelta(seconds=args.step_timeout))
-        if (first_bad := -flags[0].item()) < self.NEVER:
+        if (first_bad := -(flags := self.agree())[0].item()) < self.NEVER:
             raise UsageError(f"loss is NaN/inf at step {first_bad:.0f}: stopped, the last checkpoint is older", 1)
         per_step = flags[2].item() / max(1, self.step - self.checked[0]) if self.checked else math.inf  # first: measure
         every = min(args.log_every - self.step % args.log_every, max(1, int(self.CHECK_S / max(per_step, 1e-9))))
@@ -344,6 +341,18 @@ class Progress:
         if self.step % args.log_every == 0:
             self.log_line()
         return int(flags[1].item())
+
+    def agree(self):
+        """One all-reduce (max) of the first NaN/inf step, the signal and the seconds since the last check. After the
+        first, when start-up is over everywhere, collectives get --step-timeout."""
+        seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
+        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)
+                getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
+                    datetime.timedelta(seconds=self.args.step_timeout))
+        return flags
 
     def log_line(self):
         """The numbers on the progress bar; in a log file, rank 0 prints them as one plain line."""
@@ -440,19 +449,23 @@ def run(main, parse_args):
             raise
         code = 128 + signal.SIGTERM
     except UsageError as e:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
-        if printer := e.printer in (None, rank):
-            print(e if e.code in (0, 143) else f"error: {e}", file=sys.stderr, flush=True)
-        # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,
-        # and one that has not reached run() yet dies of the SIGTERM that torchrun sends once a first one exits
-        time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)
-        code = e.code
+        code = say(e, rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # every way out, a finished run's too, skips the interpreter's teardown, where gloo's threads, freeing what the
-    # collectives used (DTensor's caches keep them alive too), now and then hang or abort the process (torch 2.11: 1
-    # in about 8 two-process NaN stops hung; 1 in about 50 two-process FSDP runs aborted, SIGABRT, and 3 of 15
-    # two-process spawn runs). Every file is closed by now. Upstream: pytorch/pytorch#190489
+    # every way out, a finished run's too, skips the interpreter's teardown, where gloo's threads, still freeing what
+    # the collectives used, now and then hang or abort the process (measured: docs/failures.md). Every file is closed
+    # by now. Upstream: pytorch/pytorch#190489
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
+
+
+def say(e, rank):
+    """`e` printed once, by the rank it names (not by each rank that raised it); returns its exit status."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
+    if printer := e.printer in (None, rank):
+        print(e if e.code in (0, 143) else f"error: {e}", file=sys.stderr, flush=True)
+    # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,
+    # and one that has not reached run() yet dies of the SIGTERM that torchrun sends once a first one exits
+    time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)
+    return e.code

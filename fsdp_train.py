@@ -316,9 +316,10 @@ def main(args):
     if master:
         common.start_output(run)
         hsdp = f"HSDP: {args.replicate} copies of {run.world_size // args.replicate} shards, "  # [fsdp]
-        print(f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, global "  # [fsdp]
-              f"batch {run.global_batch}, {args.precision}, {'' if args.reshard_after_forward else 'no '}reshard after "
-              f"forward, {hsdp * (args.replicate > 1)}{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
+        print(f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, "  # [fsdp]
+              f"global batch {run.global_batch}, {args.precision}, {'' if args.reshard_after_forward else 'no '}"
+              f"reshard after forward, {hsdp * (args.replicate > 1)}"
+              f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
