@@ -103,7 +103,8 @@ def build_model(run):
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         run.raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(run.raw_model)
-    run.model = DDP(run.raw_model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    run.model = DDP(run.raw_model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)  # the gradients are views into its buckets: no copy a step
     if args.compile:
         run.model = torch.compile(run.model)
     run.optimizer, run.scheduler = common.make_optimizer(args, run.raw_model, run.steps_per_epoch)
