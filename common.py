@@ -328,8 +328,7 @@ class Progress:
     def check(self, every_rank):
         """At its cadence, or at a step every rank asks for, one all-reduce: a NaN/inf loss on any rank stops all; a
         stop signal any rank got is returned (None between checks). The cadence is every --log-every steps, or about
-        every CHECK_S seconds if sooner, from the slowest rank's time, so that all agree. After the first check, when
-        start-up is over everywhere, collectives get --step-timeout."""
+        every CHECK_S seconds if sooner, from the slowest rank's time, so that all agree."""
         args = self.args
         if not (every_rank or self.step >= self.next_check):
             return None

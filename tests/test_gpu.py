@@ -69,7 +69,14 @@ def hook(module, args, out):
         elif name == "ModelWithLoss" and module.training and len(seen["replicas"]) < 8:
             seen["replicas"].append({"n": len(args[0]), "loss_sum": out[0].item(), "device": str(out[0].device)})
 torch.nn.modules.module.register_module_forward_hook(hook)
-atexit.register(lambda: json.dump(seen, open(os.path.join(os.environ["SEE_DIR"], f"{os.getpid()}.json"), "w")))
+def dump():
+    json.dump(seen, open(os.path.join(os.environ["SEE_DIR"], f"{os.getpid()}.json"), "w"))
+atexit.register(dump)
+_exit = os._exit
+def dump_then_exit(code):  # the scripts leave by os._exit (common.run), which skips atexit
+    dump()
+    _exit(code)
+os._exit = dump_then_exit
 """
 
 

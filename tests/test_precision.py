@@ -14,8 +14,8 @@ from conftest import run
 # Imported first by every Python process of a run (PYTHONPATH, where SEE_DIR is set; not by mp.spawn's resource
 # tracker, which would import torch for nothing): in training mode, the dtype each Conv2d and Linear returned, and
 # the threads torch had at the first such call (for tests/test_claims.py). Written to SEE_DIR/<pid>.json whenever
-# something new is seen, never at exit: fsdp_train.py leaves with os._exit, which skips atexit. Processes that train
-# nothing (torchrun's agent, mp.spawn's parent) write no file.
+# something new is seen, never at exit: every script leaves by os._exit (common.run), which skips atexit.
+# Processes that train nothing (torchrun's agent, mp.spawn's parent) write no file.
 SEE = '''
 import json, os, sys, threading
 if os.environ.get("SEE_DIR") and "multiprocessing.resource_tracker" not in " ".join(sys.orig_argv):
