@@ -8,6 +8,7 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -42,25 +43,25 @@ def number(kind, low, high=math.inf, above=False):
 
 class Parser(argparse.ArgumentParser):
     one_process, sharded = None, False  # a one-process script: why a launcher is wrong; fsdp_train.py: sharded saves
+    collectives = True  # its processes join a process group, even alone (dp_train.py: none)
 
     def error(self, message):  # one line, printed once by common.run (not once per process of a launcher), exit 2
         raise UsageError(f"{message} (see {self.prog} --help)")
 
     def parse_args(self, *a, **kw):  # and the checks of flags together, of this machine and of this script
-        args, launcher = super().parse_args(*a, **kw), one_of_several()
+        if self.one_process and (launcher := one_of_several()):  # before the old launcher's --local-rank is unknown
+            raise UsageError(f"{self.prog} {self.one_process}: start it with python, not {launcher}")
+        args = super().parse_args(*a, **kw)
         for wrong, why in [
-                (self.one_process and launcher, f"{self.prog} {self.one_process}: start it with python, not "
-                 f"{launcher}"),
                 ((args.ckpt_format == "dcp" or args.async_save) and not self.sharded, "--ckpt-format dcp and "
                  "--async-save are fsdp_train.py's: a whole copy of the model saves faster as one last.pt"),
                 (args.freeze_backbone and not (args.pretrained or args.weights), "--freeze-backbone needs --pretrained "
                  "or --weights: a random backbone is not worth freezing"),
-                (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda, but this machine has no "
-                 "CUDA GPU (or this torch build has no CUDA)"),
                 (args.tensorboard and not importlib.util.find_spec("tensorboard"), "--tensorboard needs the "
                  "tensorboard package: pip install tensorboard")]:
             if wrong:
                 raise UsageError(why)
+        args.device = device_type(args.device, self.collectives)
         return args
 
 
@@ -107,7 +108,8 @@ def get_parser(doc):
       "collective may wait; then every rank stops, and the ranks that did not arrive are named")
     a("--log-every", type=positive, default=20, help="a progress line and NaN/inf check every N steps (or sooner)")
     a("--tensorboard", action="store_true", help="also log to TensorBoard in --out-dir")
-    a("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    a("--device", choices=["cpu", "cuda", "xpu", "mps"], help="default: the accelerator torch finds (cuda also on "
+      "ROCm), else cpu")
     a("--channels-last", action="store_true", help="channels_last memory format for images (faster convs on GPU)")
     a("--compile", action="store_true", help="torch.compile the model")
     a("--deterministic", action="store_true", help="no TF32, deterministic cuDNN: for comparing weights, not speed")
@@ -125,10 +127,93 @@ def optional(name, flag):
                          "this script") from None
 
 
-def one_of_several():  # the launcher that started this process as one of several, if any
-    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return "torchrun"
-    return "srun" if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 else None
+# ---- who this process is, and on what device: the same for every launcher and machine
+LAUNCHERS = {  # how a launcher names (rank, world size, local rank, local world size); srun's is read apart
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # also the old launcher, any env:// launch
+    "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+               "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
+    "mpiexec": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")}  # MPICH, Intel MPI
+
+
+def launcher_env():
+    """(rank, world_size, local_rank, local_world_size, launcher): as torchrun (or a hand launch, such as a Kubernetes
+    PyTorchJob's: without LOCAL_RANK, one process per machine), mpirun or srun set them; else a lone process."""
+    env = os.environ
+    for launcher, names in LAUNCHERS.items():
+        if names[0] in env or names[1] in env:
+            if not (names[0] in env and names[1] in env):
+                raise UsageError(f"{names[0]} and {names[1]} go together, and only one is set: set both, or neither")
+            rank, world, local_rank = int(env[names[0]]), int(env[names[1]]), int(env.get(names[2], 0))
+            local_world = int(env.get(names[3], 1))
+            if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a hand launch, a Kubernetes PyTorchJob
+                launcher = "env:// (no LOCAL_RANK: one process per machine)"
+            break
+    else:
+        if "SLURM_STEP_NUM_TASKS" not in env:  # (sbatch's batch script is one process: no SLURM_STEP_*)
+            return 0, 1, 0, 1, None
+        launcher, rank, world, local_rank = "srun", *(int(env[k]) for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
+                                                                            "SLURM_LOCALID"))
+        counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # e.g. "8(x2),4"
+        local_world = [int(n) for count, times in counts for n in [count] * int(times or 1)][int(env["SLURM_NODEID"])]
+        first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
+        env.setdefault("MASTER_ADDR", first_node.replace("[", ""))
+        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # the same on every node, per job
+    if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+        raise UsageError(f"{launcher}: {world} processes, but no MASTER_ADDR and MASTER_PORT (where rank 0 meets the "
+                         "others): set both, the same on every machine")
+    return rank, world, local_rank, local_world, launcher
+
+
+def one_of_several():  # the launcher that started this process as one of several (torchrun: of any number), if any
+    try:
+        _, world, _, _, launcher = launcher_env()
+    except UsageError:
+        return "a launcher"
+    return launcher if world > 1 or "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def device_type(asked, collectives=True):
+    """--device, checked; by default the accelerator torch finds (cuda, also on ROCm; xpu; mps), else the CPU. With
+    collectives, not MPS: no process group backend moves MPS tensors (pytorch/pytorch#160732), even at world size 1."""
+    found = getattr(torch.accelerator.current_accelerator(check_available=True), "type", None)
+    kind = asked or (found if found and not (collectives and found == "mps") else "cpu")
+    if kind not in ("cpu", found):
+        raise UsageError(f"--device {kind}, but torch finds no {kind} device here (its accelerator: {found})")
+    if kind == "mps" and collectives:
+        raise UsageError("--device mps: no process group backend moves MPS tensors; one process on MPS is "
+                         "dp_train.py, several processes: --device cpu")
+    return kind
+
+
+def local_device(kind, local_rank):
+    """The device of this process: of the devices of `kind` that it sees, the local_rank-th (shared round robin)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    torch.accelerator.set_device_index(index := local_rank % torch.accelerator.device_count())
+    return torch.device(kind, index)
+
+
+def pick_backend(args, local_world_size, launcher):
+    """--backend, else torch's for the device: gloo on the CPU, nccl on cuda (RCCL on ROCm), xccl on xpu. These want a
+    device per process: refused where a process sees fewer than its machine has processes, but one (srun may give
+    each task its own: --gpus-per-task; two processes on one GPU, NCCL refuses itself)."""
+    backend = args.backend or dist.get_default_backend_for_device(args.device)
+    count = torch.accelerator.device_count() if args.device != "cpu" else 0
+    if backend != "gloo" and (count == 0 or local_world_size > count and not (launcher == "srun" and count == 1)):
+        raise UsageError(f"--backend {backend} needs one accelerator per process: {local_world_size} processes on this "
+                         f"machine, {count} {args.device} devices (gloo can share one)")
+    return backend
+
+
+def same_flags(args, allowed=("out_dir", "data_dir", "workers", "tensorboard", "local_rank")):
+    """Every rank runs rank 0's flags, but the per-machine ones: else one line naming the first that differs."""
+    mine = {k: v for k, v in vars(args).items() if k not in allowed}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, flags in enumerate(everyone):
+        if differ := [k for k in everyone[0] if flags.get(k) != everyone[0][k]]:
+            raise UsageError(f"every process must be given the same flags: --{differ[0].replace('_', '-')} is "
+                             f"{everyone[0][differ[0]]} on rank 0, {flags.get(differ[0])} on rank {rank}")
 
 
 def set_threads_and_math(local_world_size, deterministic):
@@ -170,14 +255,16 @@ def make_model(name, data):
 
 def make_loader(ds, batches, run):
     """A DataLoader over `batches` (lists of indices). In-memory tensors: one index a batch, in this process, on the
-    GPU if they fit. Other datasets: --workers processes, pinned memory. Its own generator: the workers' seed is not
-    drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
+    accelerator if they fit. Other datasets: --workers processes, pinned memory. Its own generator: the workers' seed
+    is not drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
     if not isinstance(ds, TensorDataset):
         return DataLoader(ds, batch_sampler=batches, num_workers=run.args.workers, generator=torch.Generator(),
-                          pin_memory=run.device.type == "cuda")
-    if run.device.type == "cuda" and sum(t.nbytes for t in ds.tensors) < 2**32:
+                          pin_memory=run.device.type in ("cuda", "xpu"))
+    if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:
         ds.tensors = tuple(t.to(run.device) for t in ds.tensors)  # copied once, not every step
-    return DataLoader(ds, sampler=batches, batch_size=None, generator=torch.Generator())
+    # the epoch's indices copied there at once: a list, made a tensor at each step, would wait for the device there
+    index = torch.tensor([i for b in batches for i in b], dtype=torch.long, device=ds.tensors[0].device)
+    return DataLoader(ds, sampler=index.split([len(b) for b in batches]), batch_size=None, generator=torch.Generator())
 
 
 def to_device(run, ds, x, y):
@@ -257,16 +344,17 @@ def check_fits(path, ckpt, shapes, run):
 
 
 def rng_state(device):
-    """This process's random number generators (dropout draws from them): the CPU's and its GPU's."""
-    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
+    """This process's random number generators (dropout draws from them): the CPU's and its accelerator's."""
+    on = {} if device.type == "cpu" else {device.type: [torch.get_device_module(device).get_rng_state(device)]}
+    return {"cpu": torch.get_rng_state(), **on}
 
 
 def restore_rng(saved, run):
     """This rank's generators as the checkpoint holds them; at another world size, seeded from (seed, step, rank)."""
     if len(states := saved.get("rng") or []) == run.world_size:
         torch.set_rng_state(states[run.rank]["cpu"])
-        for state in states[run.rank]["cuda"] if run.device.type == "cuda" else []:
-            torch.cuda.set_rng_state(state, run.device)
+        for state in states[run.rank].get(run.device.type, []) if run.device.type != "cpu" else []:
+            torch.get_device_module(run.device).set_rng_state(state, run.device)  # (only of the same kind)
     else:
         torch.manual_seed((run.args.seed * 1_000_000_007 + (saved["epoch"] * 1_000_003 + saved["step_in_epoch"])
                            * 1_009 + run.rank) % 2**63)
@@ -276,12 +364,15 @@ def restore_rng(saved, run):
 received = 0  # the stop signal this process got: a signal handler's only way out is a global
 
 
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGUSR1", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+
+
 def note_signal(signum, _):
-    """SIGUSR1 (a time limit near) or SIGTERM (preemption): noted; every rank saves and stops at the step of the next
-    check. A second SIGTERM ends the process at once."""
+    """SIGUSR1 (a time limit near), SIGTERM (preemption) or SIGHUP (the terminal closed, as SIGTERM): noted; every
+    rank saves and stops at the step of the next check. A second SIGTERM or SIGHUP ends the process at once."""
     global received
-    if signum == signal.SIGTERM:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signum != getattr(signal, "SIGUSR1", None):
+        signal.signal(signum, signal.SIG_DFL)
     received = max(received, signum)
 
 
@@ -302,6 +393,8 @@ class Progress:
         self.next_check, self.checked = self.step + 1, None
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
+        for sig in STOP_SIGNALS if not received else []:  # now there is something to save; before, they end the run
+            signal.signal(sig, note_signal)
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.device), None, None
@@ -362,8 +455,10 @@ class Progress:
                   + "  ".join(f"{k} {v}" for k, v in values.items()), flush=True)
         self.bar.set_postfix(values, refresh=False)
 
-    def clock(self):  # the GPU's queued work is part of the time
-        return (torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None) or time.perf_counter()
+    def clock(self):  # the accelerator's queued work is part of the time
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        return time.perf_counter()
 
     def end_epoch(self):
         self.bar.close()
@@ -382,9 +477,10 @@ class Progress:
 
 
 def stopped(signum, step):
-    """Every rank saved at one step after a signal: exit 0 after SIGUSR1 (requeue, --resume auto), 143 after SIGTERM."""
+    """Every rank saved at one step after a signal: exit 0 after SIGUSR1 (requeue, --resume auto), 143 after SIGTERM
+    (129 after SIGHUP)."""
     return UsageError(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was saved: --resume "
-                      "auto continues from there", 128 + signum if signum == signal.SIGTERM else 0)
+                      "auto continues from there", 0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum)
 
 
 def start_output(run):
@@ -402,7 +498,7 @@ def log_epoch(run, row):
     p = run.progress
     row = {"epoch": p.epoch + p.step_in_epoch / p.steps_per_epoch, "step": p.step, **row, "samples_per_s":
            p.samples_per_s(), "epoch_time_s": p.t1 - p.t0[0] if p.t0 else 0.0, "peak_mem_mb":
-           torch.cuda.max_memory_allocated(run.device) / 2**20 if run.device.type == "cuda" else None}
+           torch.accelerator.max_memory_allocated(run.device) / 2**20 if run.device.type in ("cuda", "xpu") else None}
     with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if run.args.tensorboard:
@@ -438,15 +534,14 @@ def hangs_named(run):
 def run(main, parse_args):
     """main(parse_args()), ending as docs/failures.md says: an error as one line printed once (by the launcher's rank
     0), and its exit status."""
-    for sig in [getattr(signal, "SIGUSR1", signal.SIGTERM), signal.SIGTERM]:  # (Windows has no SIGUSR1)
-        signal.signal(sig, note_signal)
-    rank, code = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))), None
+    ranks = [n[0] for n in LAUNCHERS.values()] + ["SLURM_PROCID"]  # the launcher's rank 0 prints
+    rank, code = next((int(os.environ[r]) for r in ranks if os.environ.get(r, "").isdigit()), 0), None
     try:
         main(parse_args())
     except RuntimeError:
-        if received != signal.SIGTERM:  # else: told to stop, and a peer has left already (a launcher stops them all)
+        if received in (0, getattr(signal, "SIGUSR1", None)):  # else: told to stop, and a peer has left already
             raise
-        code = 128 + signal.SIGTERM
+        code = 128 + received
     except UsageError as e:
         code = say(e, rank)
     finally:
@@ -463,7 +558,7 @@ def say(e, rank):
     """`e` printed once, by the rank it names (not by each rank that raised it); returns its exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
     if printer := e.printer in (None, rank):
-        print(e if e.code in (0, 143) else f"error: {e}", file=sys.stderr, flush=True)
+        print(e if e.code == 0 or e.code > 128 else f"error: {e}", file=sys.stderr, flush=True)
     # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,
     # and one that has not reached run() yet dies of the SIGTERM that torchrun sends once a first one exits
     time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import datetime
 import os
-import re
 import time
 import types
 
@@ -29,53 +28,33 @@ from torch.utils.data.distributed import DistributedSampler
 import common
 
 
-def launcher_env():
-    """(rank, world_size, local_rank, local_world_size): from torchrun, from srun, or a lone process."""
-    env = os.environ
-    if "RANK" in env:  # torchrun, also torchrun inside an srun step
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", 1))
-    if "SLURM_STEP_NUM_TASKS" in env:  # a task of srun (sbatch's batch script is one process: no SLURM_STEP_*)
-        counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # e.g. "8(x2),4"
-        tasks_per_node = [int(n) for count, times in counts for n in [count] * int(times or 1)]
-        first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
-        env.setdefault("MASTER_ADDR", first_node.replace("[", ""))
-        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # the same on every node, per job
-        return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_LOCALID"]),
-                tasks_per_node[int(env["SLURM_NODEID"])])
-    return 0, 1, 0, 1
-
-
 def setup_distributed(args):
     """This process's rank and device, then the process group, which every rank joins before anything else. The
     store it meets on is ours too: a rank that stops answering is named through it (common.hangs_named)."""
-    rank, world_size, local_rank, local_world_size = launcher_env()
-    use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if args.sync_bn and not use_cuda:
-        raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm's forward accepts GPU tensors only")
-    if backend == "nccl" and (not use_cuda or local_world_size > torch.cuda.device_count()):
-        raise common.UsageError(f"--backend nccl needs one GPU per process: {local_world_size} processes on this "
-                                f"machine, {torch.cuda.device_count() if use_cuda else 0} GPUs (gloo can share one)")
-    if args.precision == "bf16" and use_cuda and not torch.cuda.is_bf16_supported():  # [amp] (before Ampere)
+    # from the launcher's environment (torchrun, srun, mpirun, a hand launch), never from a --local-rank flag
+    rank, world_size, local_rank, local_world_size, launcher = common.launcher_env()
+    backend = common.pick_backend(args, local_world_size, launcher)  # the device's: nccl on GPUs, gloo on the CPU
+    if args.sync_bn and args.device == "cpu":
+        raise common.UsageError("--sync-bn needs a GPU: SyncBatchNorm's forward accepts no CPU tensors")
+    if args.precision == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():  # [amp] pre-Ampere
         raise common.UsageError("this GPU has no bf16: use --precision fp16")
-    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = common.local_device(args.device, local_rank)  # and made current: NCCL and friends use it
     common.set_threads_and_math(local_world_size, args.deterministic)
     timeout, env = datetime.timedelta(minutes=10), os.environ  # start-up: data, downloads; then --step-timeout
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: its agent holds the store
     if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # restarts: a fresh key prefix per attempt
         store = common.optional("restart", "torchrun --max-restarts").torchrun_store(rank, world_size, timeout)
-    elif "MASTER_ADDR" in env:
+    elif world_size > 1:  # (a lone process ignores a MASTER_ADDR left in the shell: it needs no network)
         if env["MASTER_PORT"] == "0":
             raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): give a free port, or --standalone")
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0 and not agent,
-                              timeout=timeout)
+                              timeout=timeout, use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
     else:  # a lone process needs no network
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
     return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                                 store=store if world_size > 1 else None)
+                                 store=store if world_size > 1 else None, launcher=launcher or "python")
 
 
 def build_data(run):
@@ -240,7 +219,7 @@ def main(args):
     if master:
         common.start_output(run)
         print(f"ddp {args.precision}: {run.world_size} processes, backend {dist.get_backend()}, device "  # [amp]
-              f"{run.device.type}, global batch {run.global_batch}"
+              f"{run.device.type}, global batch {run.global_batch}, started by {run.launcher}"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
@@ -262,7 +241,7 @@ def main(args):
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
+    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"], help="default: the device's (torch's mapping)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch")
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets

@@ -32,16 +32,14 @@ def setup_distributed(args):  # [spawn]
     """This child's rank (RANK: its number among the children) and device, then the process group, which every rank
     joins first. Rank 0 holds the store on MASTER_ADDR/PORT: a rank that stops answering is named through it."""
     rank, world_size, env = int(os.environ["RANK"]), args.nprocs, os.environ
-    use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
-    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device = common.local_device(args.device, rank)  # and made current: NCCL and friends use it
     common.set_threads_and_math(world_size, args.deterministic)
     timeout = datetime.timedelta(minutes=10)  # start-up: data, downloads; then --step-timeout
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0, timeout=timeout)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0, timeout=timeout,
+                          use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
     dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=rank, device=device,
-                                 store=store if world_size > 1 else None)
+                                 store=store if world_size > 1 else None, launcher="mp.spawn")
 
 
 def build_data(run):
@@ -195,7 +193,8 @@ def main(args):
     if master:
         common.start_output(run)
         print(f"ddp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, global "
-              f"batch {run.global_batch}" + (f", resuming at step {progress.step}" if progress.step else ""))
+              f"batch {run.global_batch}, started by {run.launcher}"
+              + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
@@ -216,14 +215,10 @@ def main(args):
 
 def prepare(args):
     """The parent's checks, before any child starts; it fills in --nprocs, --backend and MASTER_ADDR/PORT for them."""
-    use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
-    args.backend = args.backend or ("nccl" if use_cuda else "gloo")
-    args.nprocs = args.nprocs or (torch.cuda.device_count() if use_cuda else 2)
-    if args.sync_bn and not use_cuda:
-        raise common.UsageError("--sync-bn needs CUDA: SyncBatchNorm's forward accepts GPU tensors only")
-    if args.backend == "nccl" and (not use_cuda or args.nprocs > torch.cuda.device_count()):
-        raise common.UsageError(f"--backend nccl needs one GPU per process: --nprocs {args.nprocs}, "
-                                f"{torch.cuda.device_count() if use_cuda else 0} GPUs (gloo can share one)")
+    args.nprocs = args.nprocs or (torch.accelerator.device_count() if args.device != "cpu" else 2)
+    args.backend = common.pick_backend(args, args.nprocs, None)  # the device's: nccl on GPUs, gloo on the CPU
+    if args.sync_bn and args.device == "cpu":
+        raise common.UsageError("--sync-bn needs a GPU: SyncBatchNorm's forward accepts no CPU tensors")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:  # a free port, never a hard-coded one that another job may hold
         s.bind(("", 0))
@@ -231,7 +226,7 @@ def prepare(args):
 
 
 def launch(args):
-    """The parent: starts the children, passes SIGUSR1/SIGTERM on to them (a scheduler signals this process only)
+    """The parent: starts the children, passes the stop signals on to them (a scheduler signals this process only)
     and waits. A child that fails ends the others (mp.spawn's join), and its exit status is the parent's."""
     prepare(args)
     children = mp.spawn(child, args=(args,), nprocs=args.nprocs, join=False)
@@ -240,13 +235,13 @@ def launch(args):
         for c in children.processes:
             if c.is_alive():
                 os.kill(c.pid, signum)
-    for signum in [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []):  # (not on Windows)
+    for signum in common.STOP_SIGNALS:  # SIGUSR1, SIGTERM, SIGHUP (Windows: SIGTERM only)
         signal.signal(signum, pass_on)
     try:
         while not children.join(grace_period=10):  # a child failed: the others' own way out first, then SIGTERM
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code not in (1, 2, 3, 143):  # the child said why already (143: stopped by SIGTERM); else: say so
+        if e.exit_code not in (1, 2, 3, 129, 143):  # the child said why (129, 143: stopped by a signal); else: say so
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code if e.exit_code > 0 else 1)  # killed by a signal (a negative status): 1
     finally:  # Ctrl-C, or an error of the parent's own: no child left running
@@ -258,7 +253,7 @@ def launch(args):
 
 def child(rank, args):
     """The body of each child: rank `rank` (in RANK for setup_distributed, as a launcher would set it)."""
-    os.environ["RANK"] = str(rank)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.nprocs)
     common.run(main, lambda: args)
 
 
@@ -266,7 +261,7 @@ if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.one_process = "starts its own processes (under a launcher: ddp_launch_train.py)"  # [spawn]
     parser.add_argument("--nprocs", type=common.number(int, 1), help="if not given: 1 per GPU, or 2 on CPU")  # [spawn]
-    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl on GPUs, gloo on CPU")
+    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"], help="default: the device's (torch's mapping)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch")
     # [spawn] no launcher starts it: no --local-rank
     common.run(launch, parser.parse_args)  # [spawn] the parent, which starts the children

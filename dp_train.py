@@ -39,7 +39,7 @@ class ModelWithLoss(nn.Module):
 def setup_devices(args):
     """The GPUs this one process drives (none on a CPU machine) and the device its parameters live on: GPU numbers
     count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means physical GPUs 2 and 3."""
-    use_cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
+    use_cuda = args.device == "cuda"  # [dp] DataParallel drives GPUs; on another device (mps, xpu) the one there is
     visible, env = torch.cuda.device_count() if use_cuda else 0, os.environ
     shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
     try:
@@ -47,12 +47,16 @@ def setup_devices(args):
     except ValueError:
         raise common.UsageError(f"--gpus {args.gpus}: give GPU numbers such as 0,1") from None
     if args.gpus and not use_cuda:
-        raise common.UsageError(f"--gpus {args.gpus}: no GPU is visible{shown}, or --device cpu: training on the CPU")
+        raise common.UsageError(f"--gpus {args.gpus}: no CUDA GPU is visible{shown}, or --device {args.device}")
     if not all(0 <= g < visible for g in gpus):
         raise common.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered 0 to {visible - 1}")
     if use_cuda and (args.output_device or 0) not in range(visible):
         raise common.UsageError(f"--output-device {args.output_device} is not a visible GPU{shown}")
-    device = torch.device(f"cuda:{gpus[0]}" if use_cuda else "cpu")  # parameters live here, copied to the others
+    if args.compile and len(gpus) > 1:  # its replicas would call the first GPU's compiled module, with its parameters
+        raise common.UsageError("--compile with DataParallel on several GPUs: give one (--gpus 0), or use "
+                                "ddp_launch_train.py --compile, one process per GPU")
+    # parameters live on the first GPU (copied to the others at every step), or on the one device there is
+    device = torch.device("cuda", gpus[0]) if use_cuda else common.local_device(args.device, 0)
     if use_cuda:
         torch.cuda.set_device(device)
     common.set_threads_and_math(1, args.deterministic)
@@ -213,6 +217,7 @@ def main(args):
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.one_process = "is one process that drives every GPU (one process per GPU: ddp_launch_train.py)"  # [dp]
+    parser.collectives = False  # [dp] no process group: it may train on MPS
     parser.add_argument("--gpus", help="GPU numbers among the visible ones, e.g. 0,1; if not given, all")  # [dp]
     parser.add_argument("--output-device", type=int, help="the GPU that gathers (if not given, the first)")  # [dp]
     parser.add_argument("--gather-outputs", action="store_true", help="the classic way: loss on one GPU")  # [dp]

@@ -13,6 +13,7 @@ print their stacks first (PYTHONFAULTHANDLER and SIGABRT), so that a hang shows 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,6 +231,49 @@ def test_the_deprecated_launcher_on_two_nodes_trains_as_torchrun(reference, tmp_
     two_nodes(tmp_path, "launch", launcher=deprecated_launch)  # --nnodes=2 --node_rank=0/1 --master_addr=127.0.0.1
     assert "torch.distributed.launch is deprecated" in (tmp_path / "launch-node1.log").read_text()
     assert_same_weights(weights(tmp_path / "node0" / "last.pt"), reference("ddp_launch_train.py"))
+
+
+# ---- 3b. ranks started by hand without LOCAL_RANK (a Kubernetes PyTorchJob), and mpirun of Open MPI and of MPICH
+def mpi(program):
+    """The path of `program` (mpirun.openmpi, mpiexec.mpich: Debian's openmpi-bin and mpich); skipped where it is
+    not installed, failed instead with REQUIRE_MPI=1 (CI, which installs both: green means they ran)."""
+    found = shutil.which(program)
+    if not found:
+        reason = f"{program} is not installed (Debian: openmpi-bin, mpich)"
+        pytest.fail(f"REQUIRE_MPI=1, but {reason}") if os.environ.get("REQUIRE_MPI") == "1" else pytest.skip(reason)
+    return found
+
+
+MPI_LAUNCH = {  # how each passes the rendezvous (and one thread per process) to its ranks
+    "openmpi": lambda port: [mpi("mpirun.openmpi"), "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                             "-x", "OMP_NUM_THREADS=1", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}"],
+    "mpich": lambda port: [mpi("mpiexec.mpich"), "-n", "2", "-genv", "OMP_NUM_THREADS", "1",
+                           "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", str(port)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", [pytest.param("openmpi", marks=pytest.mark.floor), "mpich"])
+def test_mpirun_trains_like_torchrun(flavour, reference, tmp_path):
+    out = tmp_path / "run"
+    log = run_on_a_free_port(lambda port: MPI_LAUNCH[flavour](port) + [sys.executable]
+                             + script_args("ddp_launch_train.py", out), tmp_path / "log")
+    assert "ddp: 2 processes" in log and {r["world_size"] for r in metrics(out)} == {2}, log[-3000:]
+    assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
+
+
+@pytest.mark.slow
+def test_ranks_started_by_hand_without_local_rank_train_like_torchrun(reference, tmp_path):
+    """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only, as a Kubernetes PyTorchJob sets them: one process per
+    machine (here two "machines" on one)."""
+    out = tmp_path / "run"
+    nodes = start_nodes(lambda port: [
+        Proc([sys.executable] + script_args("ddp_launch_train.py", out), tmp_path / f"rank{r}.log",
+             env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for r in (0, 1)], ready=lambda nodes: False)
+    for node in nodes:
+        node.wait()
+    assert "ddp: 2 processes" in nodes[0].output()
+    assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
 # ---- 4. SLURM

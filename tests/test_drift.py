@@ -185,7 +185,7 @@ def test_drift_is_caught(script, what):
 def launcher_scripts():
     """Every script that a launcher starts (torchrun, srun, the old torch.distributed.launch), present or future."""
     return sorted(f for f in os.listdir(ROOT)
-                  if f.endswith("_train.py") and "def launcher_env" in open(os.path.join(ROOT, f)).read())
+                  if f.endswith("_train.py") and "common.launcher_env()" in open(os.path.join(ROOT, f)).read())
 
 
 PARSE_ONLY = """

@@ -62,7 +62,7 @@ BAD = {  # name: (arguments, words the one error line must contain)
                        "it to one file first: python -m train_extras.sharded {d}/ckpt-8 last.pt"),
     "ckpt_format_dcp": (["--ckpt-format", "dcp"], "--ckpt-format dcp and --async-save are fsdp_train.py's"),
     "async_save": (["--async-save"], "--ckpt-format dcp and --async-save are fsdp_train.py's"),
-    "device_cuda": (["--device", "cuda"], "no CUDA"),
+    "device_cuda": (["--device", "cuda"], "torch finds no cuda device"),
     "backend_nccl": (["--backend", "nccl"], "nccl"),
     "batch_size_0": (["--batch-size", 0], "argument --batch-size"),
     "epochs_0": (["--epochs", 0], "argument --epochs"),

@@ -1,20 +1,19 @@
-"""Signals prove the save: SIGTERM and SIGUSR1 in every launch style (one plain process, torchrun's workers, torchrun
-itself, mp.spawn's parent, ranks started by hand with env://; srun and sbatch in test_cluster.py) stop the run with a
-checkpoint written *after* the signal, at one step every rank agreed on, and the documented status (docs/failures.md:
-0 after SIGUSR1, 143 after SIGTERM; torchrun itself exits 1 and names each worker's 143). The ranks learn of a signal
-at their next check (common.Progress.check: one all-reduce about every 2 s, every --log-every steps if sooner, and at
-every save step), so that the stop comes a few steps after the signal, at the latest at the next --save-every step,
-and for steps of seconds well inside a launcher's grace period. A save that a signal or a kill interrupts, in the
-one-file format and in the sharded one written in the background (fsdp_train.py --ckpt-format dcp --async-save),
-leaves a whole checkpoint to resume; one that outlives the launcher's grace period is killed, and the previous
-checkpoint stays whole.
+"""Signals prove the save: SIGTERM and SIGUSR1 (and SIGHUP, taken as SIGTERM) in every launch style (one plain process,
+torchrun's workers, torchrun itself, mp.spawn's parent, ranks started by hand with env://; srun and sbatch in
+test_cluster.py) stop the run with a checkpoint written *after* the signal, at one step every rank agreed on, and the
+documented status (docs/failures.md: 0 after SIGUSR1, 143 after SIGTERM, 129 after SIGHUP; torchrun itself exits 1 and
+names each worker's 143). The ranks learn of a signal at their next check (common.Progress.check: one all-reduce about
+every 2 s, every --log-every steps if sooner, and at every save step), so that the stop comes a few steps after the
+signal, at the latest at the next --save-every step, and for steps of seconds well inside a launcher's grace period. A
+save that a signal or a kill interrupts, in the one-file format and in the sharded one written in the background
+(fsdp_train.py --ckpt-format dcp --async-save), leaves a whole checkpoint to resume; one that outlives the launcher's
+grace period is killed, and the previous checkpoint stays whole.
 
 Each moment is made exact by the hooks of tests/hooks.py, which touch only torch's and Python's own functions: every
-rank waits after optimizer step PAUSE until the test has sent its signal and the signalled processes have taken it;
-a save waits half-written, or with its part written and its folder still ckpt-<step>.tmp, until the test has
-signalled or killed; steps are made slow. What a test checks is what a user sees: exit statuses, the one `stopped by`
-line, the files, and the optimizer steps each rank took (the hooks count them).
-"""
+rank waits after optimizer step PAUSE until the test has sent its signal and the signalled processes have taken it; a
+save waits half-written, or with its part written and its folder still ckpt-<step>.tmp, until the test has signalled or
+killed; steps are made slow. What a test checks is what a user sees: exit statuses, the one `stopped by` line, the
+files, and the optimizer steps each rank took (the hooks count them)."""
 import json
 import os
 import re
@@ -33,7 +32,7 @@ from hooks import Hooks, Proc, clean_env, signal_pending, torchrun, worker_env
 TINY = ["--train-size", "384", "--val-size", "101", "--batch-size", "12", "--save-every", "4"]
 PAUSE = 6  # the ranks wait after this optimizer step: the last checkpoint before the signal is step 4's
 NEXT_SAVE = 8  # a signal at PAUSE is acted on at the latest here, where every rank checks before saving
-CODE = {signal.SIGTERM: 143, signal.SIGUSR1: 0}  # docs/failures.md, "Exit codes"
+CODE = {signal.SIGTERM: 143, signal.SIGUSR1: 0, signal.SIGHUP: 129}  # docs/failures.md, "Exit codes"
 # from the ranks going on after the signal to the exit: below torchrun's 30 s between its SIGTERM and its SIGKILL;
 # at most 7.4 s measured on this 2-core machine under a load average of 7
 SECONDS = 30
@@ -131,7 +130,8 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("script, sig", [
     pytest.param("ddp_launch_train.py", signal.SIGTERM, marks=pytest.mark.floor),
     pytest.param("dp_train.py", signal.SIGUSR1, marks=pytest.mark.floor),
-    ("ddp_launch_train.py", signal.SIGUSR1), ("dp_train.py", signal.SIGTERM)], ids=lambda v: getattr(v, "name", v))
+    ("ddp_launch_train.py", signal.SIGUSR1), ("dp_train.py", signal.SIGTERM),
+    ("ddp_launch_train.py", signal.SIGHUP)], ids=lambda v: getattr(v, "name", v))  # SIGHUP: a terminal closed
 def test_a_signal_to_one_process_saves_at_its_next_check_and_exits_with_its_status(script, sig, tmp_path, measured):
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
     proc = start(tmp_path, [sys.executable, script, *TINY, "--epochs", 1, "--out-dir", out], hooks)
