@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -399,6 +400,9 @@ class Progress:
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.device), None, None
         self.loss_sum, self.norm_sum = self.sums.unbind()  # views of it: one in-place add a step each
+        # a thread lock for the bar, not tqdm's default multiprocessing one: a semaphore, which os._exit would leave
+        # to Python's resource tracker ("leaked semaphore objects" at the end of every ddp_spawn_train.py run)
+        tqdm.set_lock(threading.RLock())
         self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, desc=f"epoch {epoch + 1}",
                         leave=False, disable=None if self.rank == 0 else True)  # none in a log file
 

@@ -48,6 +48,7 @@ def test_learns_and_logs_once(script_run, name):
     assert sum(line.startswith(HEADER[name]) for line in proc.stdout.splitlines()) == 1, proc.stdout
     assert len(summary_lines(proc.stdout)) == 2, proc.stdout
     assert "Traceback" not in proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]  # e.g. the resource tracker's, of leaked semaphores
     # output to a file (as here, and in a SLURM log): whole lines, no progress bar refreshes
     assert "\r" not in proc.stdout
     assert all(line.startswith("epoch ") for line in proc.stdout.splitlines() if "train_loss" in line), proc.stdout
