@@ -51,7 +51,7 @@ CONFIGS = [
                                   "--scripts", "ddp_launch_train.py", "--compile"], 110),
 ]
 # --jobs 2 splits the tests by -k into these and the rest; the tests that share runs (test_gpu.py's `runs`) together
-FIRST_JOB = "default_run or channels_last or amp_bf16 or fp16_loss or visible_devices"
+FIRST_JOB = "default_run or channels_last or amp_bf16 or fp16_loss or visible_devices or no_host_sync"
 DRY_RUN = {"--model": "cnn", "--shape": "3x32x32", "--batch-size": "8", "--steps": "3", "--val-size": "8"}
 
 

@@ -78,7 +78,8 @@ def test_dry_run_runs_both_parts_on_the_cpu(tmp_path):
     assert len(tests["tests"]) == len({t["name"] for t in tests["tests"]})
     skipped = [t for t in tests["tests"] if t["outcome"] == "skipped"]
     assert all("dry run on the CPU" in t["message"] for t in skipped), skipped
-    assert {t["outcome"] for t in tests["tests"]} == {"passed", "skipped"} and len(skipped) <= 4
+    assert {t["outcome"] for t in tests["tests"]} == {"passed", "skipped"}
+    assert len({t["name"].split("[")[0] for t in skipped}) <= 5, skipped  # those that need a GPU's own features
     recorded = {k for t in tests["tests"] for k in t["recorded"]}
     assert {"val_acc", "val_acc_cpu", "fsdp_world_size", "param_bytes_rank0_of_2", "max_diff_cpu_gpu_cpu"} <= recorded
     bench = json.loads((tmp_path / "bench.json").read_text())
