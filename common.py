@@ -390,7 +390,8 @@ class Progress:
         steps = saved.get("step_in_epoch", 0)  # (format 1 counted the position in steps; format 2 in samples)
         self.step_in_epoch = saved.get("samples_in_epoch", steps * self.global_batch) // self.global_batch
         self.step = self.epoch * self.steps_per_epoch + self.step_in_epoch
-        self.first_bad = torch.full((), self.NEVER, dtype=torch.float64, device=self.device)
+        self.exact = torch.float32 if self.device.type == "mps" else torch.float64  # (MPS has no float64)
+        self.first_bad = torch.full((), self.NEVER, dtype=self.exact, device=self.device)
         self.next_check, self.checked = self.step + 1, None
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
@@ -398,7 +399,7 @@ class Progress:
             signal.signal(sig, note_signal)
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
-        self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=torch.float64, device=self.device), None, None
+        self.sums, self.t0, self.t1 = torch.tensor(sums, dtype=self.exact, device=self.device), None, None
         self.loss_sum, self.norm_sum = self.sums.unbind()  # views of it: one in-place add a step each
         # a thread lock for the bar, not tqdm's default multiprocessing one: a semaphore, which os._exit would leave
         # to Python's resource tracker ("leaked semaphore objects" at the end of every ddp_spawn_train.py run)
@@ -442,7 +443,7 @@ class Progress:
         """One all-reduce (max) of the first NaN/inf step, the signal and the seconds since the last check. After the
         first, when start-up is over everywhere, collectives get --step-timeout."""
         seconds = torch.tensor([received, time.monotonic() - self.checked[1] if self.checked else 0.0])
-        flags = torch.cat([-self.first_bad[None], seconds.double().to(self.device)])
+        flags = torch.cat([-self.first_bad[None], seconds.to(self.device, self.exact)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if self.checked is None:  # (shim: torch 2.11 has set_timeout only privately)

@@ -159,7 +159,7 @@ def mean_over_ranks(t):  # [dp] one process: nothing to average (named as in the
 def evaluate(run):  # [dp]
     """Loss and accuracy over the whole validation set, every batch split over the GPUs."""
     run.raw_model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
+    totals = torch.zeros(3, dtype=run.progress.exact, device=run.device)  # loss sum, correct, count (MPS: float32)
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
         loss_sums, correct = run.model(x, y)  # one of each per GPU
