@@ -261,6 +261,17 @@ def test_mpirun_trains_like_torchrun(flavour, reference, tmp_path):
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
+@pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
+def test_bad_input_under_mpirun_is_one_line_from_rank_0(flavour, tmp_path):
+    """Each rank refuses `--epochs 0`; only the one that mpirun calls rank 0 prints it (common.run reads its rank)."""
+    proc = Proc(MPI_LAUNCH[flavour](free_port()) + [sys.executable, "ddp_launch_train.py", "--epochs", "0"],
+                tmp_path / "log")
+    log = proc.wait(expect=None)
+    assert proc.p.returncode != 0, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--epochs" in errors[0], log[-3000:]
+
+
 @pytest.mark.slow
 def test_ranks_started_by_hand_without_local_rank_train_like_torchrun(reference, tmp_path):
     """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only, as a Kubernetes PyTorchJob sets them: one process per
