@@ -321,9 +321,13 @@ def find_checkpoint(run):
     if os.path.exists(path) and not (args.resume or args.overwrite):
         raise UsageError(f"{run.out_dir} holds the last.pt of an earlier run: --resume auto continues it, "
                          "--overwrite replaces it, or give another --out-dir")
+    if args.resume == "auto" and not os.path.exists(path):
+        print(f"--resume auto: no last.pt in {run.out_dir}, starting afresh", flush=True)
     if not args.resume or (args.resume == "auto" and not os.path.exists(path)):
         return None
-    if os.path.isdir(path := path if args.resume == "auto" else args.resume):
+    path = path if args.resume == "auto" else args.resume
+    path = os.path.join(path, "last.pt") if os.path.isfile(os.path.join(path, "last.pt")) else path  # its folder
+    if os.path.isdir(path):
         raise UsageError(f"{path} is a sharded checkpoint of fsdp_train.py: convert it to one file first: python -m "
                          f"train_extras.sharded {path} last.pt")
     ckpt = read_checkpoint(path)
@@ -337,6 +341,9 @@ def check_fits(path, ckpt, shapes, run):
             (a := ckpt.get("args", {})).get("freeze_backbone", False) != run.args.freeze_backbone:
         raise UsageError(f"{path} is not a training state of this model and flags (another --model, classes or "
                          "channels, --freeze-backbone; or weights only: give it to --weights)")
+    if a.get("optimizer", "sgd") != run.args.optimizer:  # its state would go into another optimizer's
+        raise UsageError(f"{path} was trained with --optimizer {a.get('optimizer', 'sgd')}: to start "
+                         f"{run.args.optimizer} from its weights, give it to --weights instead of --resume")
     if (saved := ckpt.get("global_batch") or a["batch_size"] * a.get("grad_accum", 1) * ckpt["world_size"]) \
             != run.global_batch:
         raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {run.global_batch}: keep "

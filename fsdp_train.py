@@ -131,7 +131,8 @@ def find_checkpoint(run):
     train_extras/sharded.py's: --resume auto takes the newest of last.pt and them."""
     out_dir = run.out_dir
     folders = os.path.isdir(out_dir) and any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
-    if folders or os.path.isdir(run.args.resume or ""):
+    resume = run.args.resume or ""
+    if folders or os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, "last.pt")):
         return common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").find(run)
     return common.find_checkpoint(run)
 

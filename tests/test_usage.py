@@ -141,6 +141,24 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     assert common.find_checkpoint(run)["global_batch"] == 64
 
 
+def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
+    """--resume auto with nothing to resume says so and starts afresh; --resume <folder> takes the last.pt in it;
+    another --optimizer than the checkpoint's is one line pointing to --weights (its state fits no other optimizer)."""
+    model, out = models.make("cnn", 1, 10), str(tmp_path / "out")
+    run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64)
+    assert common.find_checkpoint(run) is None
+    assert capsys.readouterr().out == f"--resume auto: no last.pt in {out}, starting afresh\n"
+    (tmp_path / "old").mkdir()
+    torch.save({"model": model.state_dict(), "optimizer": {}, "args": {"optimizer": "sgd"}, "global_batch": 64},
+               tmp_path / "old" / "last.pt")
+    run.args = defaults(resume=str(tmp_path / "old"))
+    assert common.find_checkpoint(run)["args"] == {"optimizer": "sgd"}
+    run.args = defaults(resume=str(tmp_path / "old"), optimizer="adamw")
+    with pytest.raises(common.UsageError, match="old/last.pt was trained with --optimizer sgd: to start adamw from "
+                                                "its weights, give it to --weights instead of --resume"):
+        common.find_checkpoint(run)
+
+
 def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
     run = ns(args=None, rank=0, scheduler=None, steps_per_epoch=10, global_batch=32, device=torch.device("cpu"))
     progress = common.Progress(run, {"epoch": 1, "step_in_epoch": 3, "loss_sum": 6.0})
