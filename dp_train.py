@@ -100,9 +100,10 @@ def resume(run):  # [dp]
     """A last.pt of any script, written by any number of processes: the progress it saved, or None (a fresh start)."""
     ckpt = common.find_checkpoint(run)
     if ckpt:
-        options = StateDictOptions(full_state_dict=True)  # name-keyed, as every script of this collection writes it
-        set_model_state_dict(run.raw_model, ckpt["model"], options=options)
-        set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"], options=options)
+        # name-keyed, as every script writes it; one process holds it whole, so no full_state_dict (which fails on an
+        # optimizer state without tensors, as SGD's without momentum: "Expected device to be set")
+        set_model_state_dict(run.raw_model, ckpt["model"])
+        set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"])
         run.scheduler.load_state_dict(ckpt["scheduler"])
         # dropout and the like draw from the generators: as they were, to go on as if never stopped
         common.restore_rng(ckpt, run)

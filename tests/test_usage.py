@@ -168,6 +168,17 @@ def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
     assert common.Progress(run, state).step == 13
 
 
+@pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py", "fsdp_train.py"])
+def test_an_optimizer_state_without_tensors_resumes(script, tmp_path):
+    """SGD with --momentum 0 keeps no tensor per parameter: its checkpoint resumes all the same."""
+    out = tmp_path / "out"
+    run(script, *TINY, "--momentum", 0, "--max-steps", 2, "--out-dir", out)
+    assert checkpoint(str(out))["optimizer"]["state"] == {}
+    p = run(script, *TINY, "--momentum", 0, "--max-steps", 4, "--resume", "auto", "--out-dir", out)
+    assert "resuming at step 2" in p.stdout and checkpoint(str(out))["epoch"] * 8 + \
+        checkpoint(str(out))["step_in_epoch"] == 4, p.stdout
+
+
 @pytest.mark.slow
 def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path):
     out = tmp_path / "out"
