@@ -128,7 +128,7 @@ def shard(model, mesh, precision, reshard_after_forward):
 
 def find_checkpoint(run):
     """Rank 0: common.find_checkpoint's, or where there are sharded ones (ckpt-<step> folders, --ckpt-format dcp),
-    train_extras/sharded.py's: --resume auto takes the newest of last.pt and them."""
+    train_extras/sharded.py's: --resume auto takes the highest step of last.pt and them."""
     out_dir = run.out_dir
     folders = os.path.isdir(out_dir) and any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
     resume = run.args.resume or ""

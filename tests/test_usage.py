@@ -4,6 +4,7 @@ what they cannot continue, files named in one line, the wrong launcher refused (
 run that never replaces an earlier last.pt, and logs that read well in a file."""
 import argparse
 import os
+import time
 from types import SimpleNamespace as ns
 
 import pytest
@@ -166,6 +167,20 @@ def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
     state = progress.state([6.0, 0.0])
     assert state["format"] == 2 and state["samples_in_epoch"] == 96 and state["global_batch"] == 32
     assert common.Progress(run, state).step == 13
+
+
+def test_resume_auto_takes_the_highest_step_whatever_the_files_times(tmp_path, monkeypatch):
+    """fsdp_train.py's --resume auto among ckpt-<step> folders and a last.pt: the highest step, though a copy wrote
+    ckpt-25 after ckpt-30 (and last.pt, at step 20, after both)."""
+    from train_extras import sharded
+    for step in (30, 25):
+        (tmp_path / f"ckpt-{step}").mkdir()
+        (tmp_path / f"ckpt-{step}" / ".metadata").write_bytes(b"")
+        time.sleep(0.01)
+    torch.save({"epoch": 2, "samples_in_epoch": 4 * 64}, tmp_path / "last.pt")  # step 2 x 8 + 4 = 20
+    monkeypatch.setattr(sharded, "read", lambda path, run: path)  # the folder chosen, not read
+    run = ns(args=defaults(resume="auto"), out_dir=str(tmp_path), steps_per_epoch=8, global_batch=64)
+    assert sharded.find(run) == str(tmp_path / "ckpt-30")
 
 
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py", "fsdp_train.py"])

@@ -34,9 +34,21 @@ def written(path):
 
 
 def folders(out_dir):
-    """The complete ckpt-<step> folders in out_dir, oldest first."""
+    """The complete ckpt-<step> folders in out_dir, oldest first (the oldest saves go first)."""
     found = [os.path.join(out_dir, n) for n in os.listdir(out_dir) if re.fullmatch(r"ckpt-\d+", n)]
     return sorted((p for p in found if os.path.isfile(os.path.join(p, ".metadata"))), key=written)
+
+
+def step(path, run):
+    """The optimizer step a checkpoint holds: a folder's from its name (ckpt-<step>), a last.pt's from its position
+    (its tensors mapped, not read). Not the files' times, which a copy changes."""
+    if os.path.isdir(path):
+        return int(os.path.basename(path)[len("ckpt-"):])
+    try:
+        c = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return c["epoch"] * run.steps_per_epoch + c.get("samples_in_epoch", 0) // run.global_batch
+    except Exception:  # noqa: BLE001 unreadable: not the one to take (alone, common.find_checkpoint says why)
+        return -1
 
 
 class Saver:
@@ -83,8 +95,8 @@ class Saver:
 
 
 def find(run):
-    """Rank 0, before anything is written: what --resume names, or with 'auto' the newest of last.pt and complete
-    folders; a folder's metadata (read) or a last.pt (common.find_checkpoint), checked. Saves cut short go."""
+    """Rank 0, before anything is written: what --resume names, or with 'auto' the highest step of last.pt and
+    complete folders; a folder's metadata (read) or a last.pt (common.find_checkpoint), checked. Saves cut short go."""
     args, out_dir = run.args, run.out_dir
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):
@@ -95,7 +107,7 @@ def find(run):
         raise common.UsageError(f"{out_dir} holds the {os.path.basename(found[-1])} of an earlier run: --resume auto "
                                 "continues it, --overwrite replaces it, or give another --out-dir")
     if args.resume == "auto":
-        path = max(found + [last] * os.path.exists(last), key=written, default=None)
+        path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
         return read(path, run)
     return common.find_checkpoint(types.SimpleNamespace(**{**vars(run), "args": argparse.Namespace(**{
