@@ -59,7 +59,9 @@ class Parser(argparse.ArgumentParser):
                 (args.freeze_backbone and not (args.pretrained or args.weights), "--freeze-backbone needs --pretrained "
                  "or --weights: a random backbone is not worth freezing"),
                 (args.tensorboard and not importlib.util.find_spec("tensorboard"), "--tensorboard needs the "
-                 "tensorboard package: pip install tensorboard")]:
+                 "tensorboard package: pip install tensorboard"),
+                (args.warmup_epochs > args.epochs, f"--warmup-epochs {args.warmup_epochs} is longer than --epochs "
+                 f"{args.epochs}: the LR would never reach --lr")]:
             if wrong:
                 raise UsageError(why)
         args.device = device_type(args.device, self.collectives)
@@ -348,6 +350,10 @@ def check_fits(path, ckpt, shapes, run):
             != run.global_batch:
         raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {run.global_batch}: keep "
                          f"--batch-size x processes x --grad-accum = {saved}")
+    if ckpt.get("steps_per_epoch", run.steps_per_epoch) != run.steps_per_epoch:  # the position would be elsewhere
+        raise UsageError(f"{path} was trained with {ckpt['steps_per_epoch']} steps per epoch, this run has "
+                         f"{run.steps_per_epoch}: the data set changed (--train-size, the files); keep it, or start "
+                         "from its weights with --weights")
     return ckpt
 
 
@@ -484,6 +490,7 @@ class Progress:
         """What a checkpoint keeps; `sums`: the epoch's so far, averaged over the ranks. The position is in samples."""
         epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
         return {"format": 2, "epoch": epoch, "step_in_epoch": steps, "samples_in_epoch": steps * self.global_batch,
+                "steps_per_epoch": self.steps_per_epoch,
                 "loss_sum": sums[0] if steps else 0.0, "grad_norm_sum": sums[1] if steps else 0.0,
                 "global_batch": self.global_batch}
 

@@ -290,9 +290,11 @@ def main(args):
     build_model(run)
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
-    if progress.step >= (args.max_steps or float("inf")):  # --max-steps is a budget: a resume may find it spent
+    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))  # a resume may find the run done
+    if progress.step >= end:
         if master:
-            print(f"already at step {progress.step} of --max-steps {args.max_steps}: nothing to train")
+            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, --max-steps {args.max_steps}): "
+                  "nothing to train")
         return
     if master:
         common.start_output(run)

@@ -50,6 +50,8 @@ def refused(argv):
     (["--step-timeout", "0"], "argument --step-timeout: must be above 0"),
     (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
     (["--overwrite", "--resume", "auto"], "argument --resume: not allowed with argument --overwrite"),
+    (["--warmup-epochs", "3", "--epochs", "2"], "--warmup-epochs 3.0 is longer than --epochs 2: the LR would never "
+                                                "reach --lr"),
     (["--pretrained", "--weights", "w.pt"], "argument --weights: not allowed with argument --pretrained"),
     (["--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights"),
 ])
@@ -135,18 +137,24 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     torch.save(ten, tmp_path / "ten.pt")
     args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
     with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes or channels"):
-        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64))
+        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64,
+                                   steps_per_epoch=8))
     with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
-        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=32))
-    run = ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=64)
+        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=32,
+                                  steps_per_epoch=8))
+    run = ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=64, steps_per_epoch=8)
     assert common.find_checkpoint(run)["global_batch"] == 64
+    torch.save({**ten, "steps_per_epoch": 16}, tmp_path / "ten.pt")  # a data set twice the size
+    with pytest.raises(common.UsageError, match="ten.pt was trained with 16 steps per epoch, this run has 8: the "
+                                                "data set changed"):
+        common.find_checkpoint(run)
 
 
 def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     """--resume auto with nothing to resume says so and starts afresh; --resume <folder> takes the last.pt in it;
     another --optimizer than the checkpoint's is one line pointing to --weights (its state fits no other optimizer)."""
     model, out = models.make("cnn", 1, 10), str(tmp_path / "out")
-    run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64)
+    run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64, steps_per_epoch=8)
     assert common.find_checkpoint(run) is None
     assert capsys.readouterr().out == f"--resume auto: no last.pt in {out}, starting afresh\n"
     (tmp_path / "old").mkdir()
@@ -201,7 +209,8 @@ def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path)
     assert "epoch 0.375  train_loss" in p.stdout, p.stdout  # 3 of the epoch's 8 steps
     before = (out / "last.pt").read_bytes()
     p = run("ddp_launch_train.py", *TINY, "--max-steps", 3, "--resume", "auto", "--out-dir", out)
-    assert "already at step 3 of --max-steps 3: nothing to train" in p.stdout and "epoch 1" not in p.stdout
+    assert "already at step 3 of 3 (--epochs 1, --max-steps 3): nothing to train" in p.stdout, p.stdout
+    assert "epoch 1" not in p.stdout
     p = run("ddp_launch_train.py", *TINY[:4], "--batch-size", 6, "--epochs", 1, "--resume", "auto", "--out-dir", out,
             check=False)
     assert_exit(p, 2)
@@ -212,6 +221,10 @@ def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path)
     assert (out / "last.pt").read_bytes() == before and [r["step"] for r in metrics(str(out))] == [3]
     run("ddp_launch_train.py", *TINY, "--overwrite", "--out-dir", out)
     assert checkpoint(str(out))["epoch"] == 1
+    done = (out / "last.pt").read_bytes()
+    p = run("ddp_launch_train.py", *TINY, "--resume", "auto", "--out-dir", out)  # --epochs 1 reached: one line
+    assert "already at step 8 of 8 (--epochs 1, --max-steps None): nothing to train" in p.stdout, p.stdout
+    assert (out / "last.pt").read_bytes() == done
 
 
 def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
