@@ -350,6 +350,13 @@ def check_fits(path, ckpt, shapes, run):
             != run.global_batch:
         raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {run.global_batch}: keep "
                          f"--batch-size x processes x --grad-accum = {saved}")
+    changed = {k: (a[k], getattr(run.args, k)) for k in ("lr", "momentum", "weight_decay", "epochs", "warmup_epochs")
+               if k in a and a[k] != getattr(run.args, k)}
+    if changed:  # lr, momentum and weight decay are in the optimizer's state, which goes on; the schedule is rebuilt
+        print("flags that differ from the checkpoint's: " + ", ".join(
+            f"--{k.replace('_', '-')} {new} " + (f"(was {old}: the LR schedule is the new one from here)" if "epochs"
+                                                 in k else f"(ignored: its {old} goes on)")
+            for k, (old, new) in changed.items()), flush=True)
     if ckpt.get("steps_per_epoch", run.steps_per_epoch) != run.steps_per_epoch:  # the position would be elsewhere
         raise UsageError(f"{path} was trained with {ckpt['steps_per_epoch']} steps per epoch, this run has "
                          f"{run.steps_per_epoch}: the data set changed (--train-size, the files); keep it, or start "

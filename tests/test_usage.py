@@ -3,6 +3,7 @@ common.Parser's checks of flags together) in one `error:` line, subsets that kee
 what they cannot continue, files named in one line, the wrong launcher refused (signals: test_signals.py), a fresh
 run that never replaces an earlier last.pt, and logs that read well in a file."""
 import argparse
+import math
 import os
 import time
 from types import SimpleNamespace as ns
@@ -175,6 +176,22 @@ def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
     state = progress.state([6.0, 0.0])
     assert state["format"] == 2 and state["samples_in_epoch"] == 96 and state["global_batch"] == 32
     assert common.Progress(run, state).step == 13
+
+
+def test_a_resume_with_other_flags_says_what_it_does_with_them(tmp_path):
+    """--lr, --momentum, --weight-decay: ignored (the optimizer's state holds the checkpoint's, which go on);
+    --epochs, --warmup-epochs: the schedule is rebuilt, from the resumed step on. One line names each, and what the
+    run then does is what it says: the LR of the first resumed step follows the new schedule at the old peak."""
+    out = tmp_path / "out"
+    run("ddp_launch_train.py", *TINY, "--max-steps", 4, "--out-dir", out)
+    p = run("ddp_launch_train.py", *TINY[:-1], 3, "--lr", 0.5, "--momentum", 0.5, "--max-steps", 5, "--resume", "auto",
+            "--out-dir", out)
+    assert "flags that differ from the checkpoint's: --lr 0.5 (ignored: its 0.01 goes on), --momentum 0.5 (ignored: " \
+           "its 0.9 goes on), --epochs 3 (was 1: the LR schedule is the new one from here)" in p.stdout, p.stdout
+    ckpt = checkpoint(str(out))
+    assert ckpt["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    # step 5 of a cosine over 3 epochs of 8 steps, from the peak 0.01
+    assert ckpt["scheduler"]["_last_lr"][0] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 5 / 24)))
 
 
 def test_resume_auto_takes_the_highest_step_whatever_the_files_times(tmp_path, monkeypatch):
