@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -291,13 +292,21 @@ def make_optimizer(args, model, steps_per_epoch):
 
 # ---- checkpoint files: written atomically, read on the CPU, checked against this run before use
 def save_atomic(obj, path):
-    """A temporary file, fsynced, then renamed over `path`: a process killed mid-save leaves the previous file whole."""
+    """A temporary file, fsynced, then renamed over `path`: a process killed mid-save leaves the previous file whole.
+    A write that fails (a full disk, a quota, a folder gone or no longer writable) is one line naming the cause."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # on a full disk torch's writer says only "unexpected pos": say what is free
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:120]
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
+            why = f"{'no space left on device, ' * (free < 1 and isinstance(e, RuntimeError))}{why}; {free:.1f} MiB " \
+                  "free there"
+        raise UsageError(f"could not save {path}: {why}. The previous checkpoint, if any, is whole") from None
     finally:
         if os.path.exists(tmp):  # a full disk: no partial file left behind
             os.remove(tmp)

@@ -196,11 +196,11 @@ def save(run):
     dist.gather_object(common.rng_state(run.device), rngs)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
-    if run.rank == 0:
-        common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-                            **progress.state(sums), "rng": rngs, "args": vars(run.args),
-                            "world_size": run.world_size, "scaler": run.scaler.state_dict()},  # [amp] loss scale
-                           os.path.join(run.out_dir, "last.pt"))
+    state = {"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
+             **progress.state(sums), "rng": rngs, "args": vars(run.args), "world_size": run.world_size,
+             "scaler": run.scaler.state_dict()}  # [amp] the loss scale
+    # written by rank 0; if it fails (a full disk), every rank stops with its line, none waits for rank 0
+    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")), run.rank)
 
 
 def main(args):
@@ -231,12 +231,12 @@ def main(args):
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
             t1 = time.time()
-            val = evaluate(run)
+            val, eval_time_s = evaluate(run), time.time() - t1
+            save(run)  # first: no metrics row for a step no checkpoint holds
             if master:
                 row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
-                       run.world_size, "eval_time_s": time.time() - t1, "grad_norm": args.clip_grad and grad_norm}
+                       run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
                 common.log_epoch(run, row)
-            save(run)
             if progress.step == args.max_steps:
                 break
 

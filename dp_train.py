@@ -206,13 +206,13 @@ def main(args):
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # [dp] one process holds the only copy of the model: no BatchNorm statistics to broadcast
             t1 = time.time()
-            val = evaluate(run)
+            val, eval_time_s = evaluate(run), time.time() - t1
+            save(run)  # first: no metrics row for a step no checkpoint holds
             if master:
                 row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "eval_time_s":
-                       time.time() - t1, "world_size": run.world_size, "gpus": run.gpus,  # [dp]
+                       eval_time_s, "world_size": run.world_size, "gpus": run.gpus,  # [dp]
                        "grad_norm": grad_norm if args.clip_grad else None}
                 common.log_epoch(run, row)
-            save(run)
             if progress.step == args.max_steps:
                 break
 

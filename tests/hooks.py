@@ -21,7 +21,8 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
                            `go-dcp`, after which no save waits
     hung-rank<r>           rank r stops answering after its optimizer step TEST_HANG_AT ("rank:step"): an hour's
                            sleep, which a signal's Python handler does not end (the file holds its pid)
-Each optimizer step takes TEST_STEP_S seconds more (a slow model).
+Each optimizer step takes TEST_STEP_S seconds more (a slow model). The TEST_FAIL_SAVE-th checkpoint that a process writes with torch.save
+fails, as on a full disk.
 """
 import os
 import signal
@@ -110,11 +111,14 @@ def _install():
     register_optimizer_step_post_hook(_after_step)
 
     _stall_save, _save, _saves = int(os.environ.get("TEST_STALL_SAVE", "0")), torch.save, [0]
+    _fail_save = int(os.environ.get("TEST_FAIL_SAVE", "0"))
 
     def _torch_save(obj, f, *args, **kwargs):
         if not (isinstance(obj, dict) and "model" in obj and "optimizer" in obj):  # not a checkpoint
             return _save(obj, f, *args, **kwargs)
         _saves[0] += 1
+        if _saves[0] == _fail_save:  # as a full disk: torch's own error there ("unexpected pos") names no cause
+            raise OSError(28, "No space left on device")
         if _saves[0] != _stall_save:
             return _save(obj, f, *args, **kwargs)
         whole = io.BytesIO()
@@ -246,7 +250,7 @@ class Hooks:
     """The hooks (see the module's docstring) for the processes a test starts with `env`, and their marks."""
 
     def __init__(self, tmp_path, **settings):
-        """settings: pause_at=step, stall_save=n, stall_dcp=n, hang_at="rank:step", step_s=seconds."""
+        """settings: pause_at=step, stall_save=n, fail_save=n, stall_dcp=n, hang_at="rank:step", step_s=seconds."""
         site, self.dir = Path(tmp_path) / "site", Path(tmp_path) / "marks"
         site.mkdir(exist_ok=True)
         self.dir.mkdir(exist_ok=True)

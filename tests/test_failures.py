@@ -170,6 +170,23 @@ def test_nan_stops_every_rank(tmp_path, launcher):
     assert not os.path.exists(tmp_path / "metrics.jsonl") or metrics(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_save_that_fails_is_one_line_and_leaves_the_previous_checkpoint(tmp_path, launcher):
+    """The second checkpoint's write fails as on a full disk (tests/hooks.py: TEST_FAIL_SAVE): one line naming the
+    file and the cause, every rank exits 2 (none waits for rank 0), last.pt and metrics.jsonl are the first epoch's
+    (no row for the epoch whose save failed), no temporary file."""
+    from hooks import Hooks
+    hooks, nproc = Hooks(tmp_path, fail_save=2), 2 if launcher == "torchrun" else None
+    p = run("ddp_launch_train.py", *TINY[:-1], 2, "--batch-size", 6 if nproc else 12, "--out-dir", tmp_path / "out",
+            launcher=launcher, nproc=nproc, env=hooks.env, check=False)
+    line = one_error_line(p, 2, nproc)
+    assert line.startswith(f"error: could not save {tmp_path / 'out' / 'last.pt'}: No space left on device; ") and \
+        line.endswith("MiB free there. The previous checkpoint, if any, is whole"), line
+    assert checkpoint(str(tmp_path / "out"))["epoch"] == 1 and [r["epoch"] for r in metrics(str(tmp_path / "out"))] \
+        == [1]
+    assert sorted(os.listdir(tmp_path / "out")) == ["last.pt", "metrics.jsonl"]
+
+
 def launch_long(script_cmd, out):
     args = ["--train-size", 20000, "--val-size", 20, "--batch-size", 8, "--save-every", 5, "--out-dir", out]
     return subprocess.Popen([sys.executable, *script_cmd, *map(str, args)], cwd=ROOT, env=clean_env(),
