@@ -164,6 +164,34 @@ def test_imagefolder(tmp_path):
     assert checkpoint(str(out))["model"]["conv1.weight"].shape[1] == 3  # RGB
 
 
+def test_every_usual_image_file_reads_as_8_bit_rgb_in_one_batch(tmp_path):
+    """8- and 16-bit, grayscale, palette, RGBA/LA, CMYK; PNG, JPEG, TIFF, BMP, WebP: 3 channels of uint8, whatever
+    batch they fall in, and 16-bit values scaled to 8 bits (a gradient over the 16-bit range keeps its mean), not
+    clipped to white as PIL's convert("RGB") does."""
+    import numpy as np
+    from PIL import Image
+    from train_extras.datasets import ImageFiles
+    folder = tmp_path / "train" / "a"
+    folder.mkdir(parents=True)
+    gradient = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)  # 0..65472, mean 127.4
+    Image.fromarray(gradient).save(folder / "gray16.png")
+    Image.fromarray(gradient).save(folder / "gray16.tif")
+    rgb = Image.fromarray((np.arange(32 * 32 * 3) % 256).astype(np.uint8).reshape(32, 32, 3))
+    for name, image in [("rgb.png", rgb), ("rgb.jpg", rgb), ("rgb.bmp", rgb), ("rgb.webp", rgb),
+                        ("gray.png", rgb.convert("L")), ("palette.png", rgb.convert("P")),
+                        ("rgba.png", rgb.convert("RGBA")), ("la.png", rgb.convert("LA")),
+                        ("cmyk.jpg", rgb.convert("CMYK")), ("rgb.tif", rgb)]:
+        image.save(folder / name)
+    ds = ImageFiles(str(tmp_path / "train"), 16, augment=False, seed=0)
+    batch = torch.stack([ds[i][0] for i in range(len(ds))])  # one batch of all of them
+    assert batch.dtype == torch.uint8 and batch.shape == (12, 3, 16, 16)
+    for i, (path, _) in enumerate(ds.samples):
+        if "gray16" in path:
+            image = ds.read(path)
+            assert image.dtype == torch.uint8 and image.shape == (3, 32, 32), path
+            assert abs(image.float().mean().item() - 127.4) < 1.5 and (image == 255).float().mean() < 0.01, path
+
+
 def test_dp_model_with_loss_matches_plain_loss():
     """What dp_train.py's replicas return adds up to the usual mean loss over the whole batch."""
     import torch.nn.functional as F

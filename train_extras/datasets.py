@@ -148,8 +148,8 @@ class ImageFiles(Dataset):
 
     def __init__(self, root, size, augment, seed, weights=None):
         from torchvision import datasets
-        folder = datasets.ImageFolder(root)  # its loader makes every image RGB
-        self.samples, self.classes, self.loader = folder.samples, folder.classes, folder.loader
+        folder = datasets.ImageFolder(root)  # its list of files and classes (read by pil_rgb or torchvision.io)
+        self.samples, self.classes = folder.samples, folder.classes
         self.seed, self.epoch = seed, 0
         self.transform, self.mean, self.std, self.as_pil = transforms(size, augment, weights)
 
@@ -160,14 +160,17 @@ class ImageFiles(Dataset):
         return len(self.samples)
 
     def read(self, path):
+        """The file as RGB: grayscale, palette, alpha and CMYK images made RGB, 16-bit ones scaled to 8 bits."""
         if self.as_pil:
-            return self.loader(path)
+            return pil_rgb(path)
         try:  # torchvision 0.29 deprecates its decoders for TorchCodec; if they are gone, PIL reads every file
             from torchvision.io import ImageReadMode, decode_image
-            return decode_image(path, mode=ImageReadMode.RGB)
-        except (ImportError, RuntimeError):  # or a format it does not read (BMP, TIFF...), or a broken file
+            image = decode_image(path, mode=ImageReadMode.RGB)
+        except (ImportError, RuntimeError):  # or a format it does not read (TIFF...), or a broken file
             from torchvision.transforms.functional import pil_to_tensor
-            return pil_to_tensor(self.loader(path))
+            return pil_to_tensor(pil_rgb(path))
+        # a 16-bit PNG decodes to uint16: 0..65535 scaled to 0..255 (rounded), whatever batch it falls in
+        return ((image.to(torch.int32) + 128) // 257).to(torch.uint8) if image.dtype == torch.uint16 else image
 
     def __getitem__(self, i):
         path, label = self.samples[i]
@@ -190,6 +193,16 @@ class ImageFiles(Dataset):
         for c, (m, s) in enumerate(zip(self.mean, self.std)):
             x[:, c].sub_(255 * m).div_(255 * s)
         return x
+
+
+def pil_rgb(path):
+    """PIL's RGB image of the file. 16- and 32-bit grayscale (TIFF, and PNG where torchvision.io cannot read it):
+    scaled to 8 bits first, where PIL's convert("RGB") would clip all but the darkest pixels to white."""
+    from PIL import Image
+    with Image.open(path) as image:
+        if image.mode.startswith("I"):
+            image = image.convert("I").point(lambda v: v / 257).convert("L")
+        return image.convert("RGB")
 
 
 def transforms(size, augment, weights):
