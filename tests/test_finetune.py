@@ -192,6 +192,19 @@ def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):
     assert [k for k in state if k != "conv1.weight" and not torch.equal(state[k], theirs[k])] == []
 
 
+def test_the_head_of_your_own_model_is_its_last_layer_whatever_its_names():
+    """--freeze-backbone with the copier's model (README "Adapting"): its last layer with parameters is the head,
+    not the built-in --model's (cnn: fc2), which would freeze all of theirs, or a hidden layer of theirs that happens
+    to be called fc2. The built-in model itself keeps the shape rule."""
+    class Mine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.fc2 = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU()), torch.nn.Linear(32, 32)
+            self.classifier = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(32, 4))
+    assert finetune.head_names("cnn", 1, 4, Mine()) == {"classifier.1.weight", "classifier.1.bias"}
+    assert finetune.head_names("cnn", 1, 10, models.make("cnn", 1, 10)) == {"fc2.weight", "fc2.bias"}
+
+
 def test_a_frozen_backbone_trains_only_its_head_and_its_batchnorm_stays_in_eval_mode():
     """After freezing, only the head's parameters want gradients, and model.train() (which every epoch calls)
     leaves the backbone's BatchNorm layers in eval mode: they keep the loaded running statistics."""

@@ -20,7 +20,7 @@ def prepare(model, run):
     weights to the others."""
     args = run.args
     channels, classes = models.channels_and_classes(run.train_set)
-    head = head_names(args.model, channels, classes)
+    head = head_names(args.model, channels, classes, model)
     if args.pretrained:  # one process per machine downloads them into the torch hub cache; then every rank reads it
         weights = pretrained_weights(args.model)  # every rank alike: a UsageError for a model without weights
         common.on_rank0(lambda: fetch_pretrained(args.model), run.local_rank)  # once per machine
@@ -74,15 +74,21 @@ def load_pretrained(model, name, head):
 
 
 @functools.lru_cache
-def head_names(name, channels, classes):
-    """Names of the classifier head's tensors: those whose shape depends on the number of classes (found by building
-    the model for one class more on the meta device: no memory, no weights initialized, no random numbers drawn)."""
+def head_names(name, channels, classes, model=None):
+    """Names of the classifier head's tensors. Of the built-in model `name`: those whose shape depends on the number
+    of classes (found by building it for one class more on the meta device: no memory, no weights initialized, no
+    random numbers drawn). Of your own `model` (another than that): its last layer that has parameters."""
     try:
         with torch.device("meta"):
             a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
     except NotImplementedError:  # a builder that computes its layer sizes with tensors (regnet): on the CPU
         with torch.random.fork_rng(devices=[]):
             a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
+    shapes = lambda state: {k: v.shape for k, v in state.items()}  # noqa: E731
+    if model is not None and shapes(model.state_dict()) != shapes(a):
+        last = [n for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None][-1]
+        return frozenset(f"{last}.{k}" if last else k for k, _ in model.get_submodule(last).named_parameters(
+            recurse=False))
     return frozenset(k for k in a if a[k].shape != b[k].shape)
 
 
