@@ -274,9 +274,20 @@ def make_loader(ds, batches, run):
 def to_device(run, ds, x, y):
     """A batch on the device. Images only: uint8 (4x fewer bytes to copy) made float there by the dataset's
     `normalize`; --channels-last."""
-    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y  # a label of shape (1,) per sample
+    if y.is_floating_point() or y.ndim != 1:  # (dtype and shape: no wait for the device)
+        raise UsageError(f"labels must be class indices, one integer per sample, not {y.dtype} of shape "
+                         f"{tuple(y.shape)}: return int(label) from your Dataset's __getitem__")
+    x = x.float() if x.dtype == torch.float64 else x  # numpy's default dtype, for a float32 model
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, torch.long, non_blocking=True)  # int32 labels too
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
     return x.contiguous(memory_format=torch.channels_last) if run.args.channels_last and x.ndim == 4 else x, y
+
+
+def logits(out):
+    """A model's output as the loss wants it: its logits, also out of a tuple (auxiliary outputs, as googlenet and
+    inception return in training: the first) or a dict (its "logits")."""
+    return out[0] if isinstance(out, (tuple, list)) else out["logits"] if isinstance(out, dict) else out
 
 
 def make_optimizer(args, model, steps_per_epoch):

@@ -86,7 +86,8 @@ def build_model(run):
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         run.raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(run.raw_model)
     run.model = DDP(run.raw_model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)  # the gradients are views into its buckets: no copy a step
+                    gradient_as_bucket_view=True,  # the gradients are views into its buckets: no copy a step
+                    find_unused_parameters=args.find_unused_parameters)  # a model that skips some: slower
     if args.compile:
         run.model = torch.compile(run.model)
     run.optimizer, run.scheduler = common.make_optimizer(args, run.raw_model, run.steps_per_epoch)
@@ -125,7 +126,7 @@ def train_step(run, x, y):
         # no_sync: accumulate locally and all-reduce only once, with the last micro-batch of the step
         with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             with run.autocast:  # [amp] matmuls and convolutions in 16 bits; reductions (softmax, losses) in fp32
-                loss = F.cross_entropy(run.model(xm), ym) / accum
+                loss = F.cross_entropy(common.logits(run.model(xm)), ym) / accum
             run.scaler.scale(loss).backward()  # [amp] fp16: scaled, so that small gradients do not flush to 0
         step_loss += loss.detach()
     if run.args.clip_grad:  # [amp]
@@ -177,7 +178,7 @@ def evaluate(run):
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
         with run.autocast:  # [amp] evaluated as trained
-            out = run.raw_model(x)
+            out = common.logits(run.raw_model(x))
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
@@ -245,6 +246,8 @@ if __name__ == "__main__":
     parser = common.get_parser(__doc__)
     parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"], help="default: the device's (torch's mapping)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch")
+    parser.add_argument("--find-unused-parameters", action="store_true", help="a model that does not use every "
+                        "parameter in every step (else DDP fails at step 2: 'Expected to have finished reduction')")
     # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
     # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -31,7 +31,7 @@ class ModelWithLoss(nn.Module):
         self.model = model
 
     def forward(self, x, y):
-        out = self.model(x)
+        out = common.logits(self.model(x))
         y = y.to(out.device)  # --gather-outputs: the outputs came to --output-device
         return F.cross_entropy(out.float(), y, reduction="sum")[None], (out.argmax(1) == y).sum()[None]
 

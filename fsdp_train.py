@@ -167,7 +167,7 @@ def train_step(run, x, y):
     # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad. FSDP's no_sync (set_requires_
     # gradient_sync(False)) would keep full-size gradients on every rank instead, which FSDP is here to avoid
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [fsdp]
-        loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
+        loss = F.cross_entropy(common.logits(run.model(xm)).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
     # gradients exist from backward to zero_grad: what this rank holds of them is measured here (for metrics.jsonl)
@@ -227,7 +227,7 @@ def evaluate(run):
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
-        out = run.raw_model(x)
+        out = common.logits(run.raw_model(x))
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)

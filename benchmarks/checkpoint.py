@@ -83,7 +83,7 @@ def main():
         ["--model", bench.model, "--optimizer", "adamw", "--train-size", "64", "--val-size", "16", "--batch-size", "2",
          "--synthetic-shape", "3x64x64", "--device", "cpu", "--workers", "0"])
     # the script's own flags, at their defaults
-    args.backend, args.sync_bn, args.local_rank = None, False, None
+    args.backend, args.sync_bn, args.local_rank, args.find_unused_parameters = None, False, None, False
     if fsdp:
         args.precision, args.replicate, args.reshard_after_forward = "fp32", 1, True
     run = script.setup_distributed(args)

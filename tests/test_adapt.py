@@ -83,6 +83,37 @@ def test_a_copy_trains_your_own_dataset_and_model(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+# data as numpy gives it (float64 samples, int32 labels of shape (1,)) and a model that returns a dict of outputs
+AS_THEY_COME = MY_PROJECT.replace("return x, int(self.y[i])", "return x.double().numpy(), self.y[i:i + 1].int().numpy()"
+                                  ).replace("return self.net(x)", "return {'logits': self.net(x), 'features': x}")
+
+
+def test_numpy_samples_labels_of_shape_1_and_a_dict_of_outputs_train(tmp_path):
+    """What a copier's Dataset and model often look like: float64 numpy samples (made float32), labels as int32
+    arrays of one element (made one int64 each), and outputs in a dict (its "logits"; a tuple: its first)."""
+    out = tmp_path / "out"
+    p = run(adapted_copy(tmp_path, AS_THEY_COME), "--epochs", 3, "--batch-size", 32, "--lr", 0.05, "--workers", 0,
+            "--out-dir", out)
+    rows = metrics(str(out))
+    assert rows[-1]["val_acc"] > 0.9 and rows[-1]["val_count"] == 90, rows
+    assert "Traceback" not in p.stderr
+
+
+# a model with a layer that no step uses (a branch taken only sometimes, a head trained elsewhere)
+UNUSED = MY_PROJECT.replace("nn.Linear(24, classes))", "nn.Linear(24, classes))\n        self.spare = nn.Linear(4, 4)")
+
+
+@pytest.mark.slow
+def test_a_model_that_leaves_parameters_unused_trains_with_find_unused_parameters(tmp_path):
+    """DDP waits for every parameter's gradient: without the flag such a model fails at its second step."""
+    script = adapted_copy(tmp_path, UNUSED)
+    args = ["--epochs", 1, "--batch-size", 16, "--max-steps", 3, "--out-dir", tmp_path / "out"]
+    p = run(script, *args, launcher="torchrun", nproc=2, check=False)
+    assert p.returncode != 0 and "Expected to have finished reduction" in p.stderr, p.stderr[-3000:]
+    run(script, *args, "--find-unused-parameters", "--overwrite", launcher="torchrun", nproc=2)
+    assert checkpoint(str(tmp_path / "out"))["step_in_epoch"] == 3
+
+
 # a slow Dataset (0.05 s per batch of 8) and a slow model (0.05 s per step); the Dataset writes down the time its
 # training samples really took, oversleeping included, for the test to compare with the script's clock
 NO_PASS = "self.classes = 3  # no pass over the labels\n        self.augment = "

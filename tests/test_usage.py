@@ -194,6 +194,18 @@ def test_a_resume_with_other_flags_says_what_it_does_with_them(tmp_path):
     assert ckpt["scheduler"]["_last_lr"][0] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 5 / 24)))
 
 
+def test_labels_must_be_class_indices_and_logits_come_out_of_tuples_and_dicts():
+    """A float label (a regression target, or soft labels) is one line at the first batch, on every rank alike."""
+    run = ns(device=torch.device("cpu"), args=ns(channels_last=False))
+    with pytest.raises(common.UsageError, match=r"labels must be class indices, one integer per sample, not "
+                                                r"torch.float32 of shape \(4,\): return int\(label\)"):
+        common.to_device(run, None, torch.zeros(4, 2), torch.zeros(4))
+    x, y = common.to_device(run, None, torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.int32))
+    assert (x.dtype, y.dtype, y.shape) == (torch.float32, torch.int64, (4,))
+    t = torch.ones(2)
+    assert common.logits((t, None)) is t and common.logits({"logits": t}) is t and common.logits(t) is t
+
+
 def test_resume_auto_takes_the_highest_step_whatever_the_files_times(tmp_path, monkeypatch):
     """fsdp_train.py's --resume auto among ckpt-<step> folders and a last.pt: the highest step, though a copy wrote
     ckpt-25 after ckpt-30 (and last.pt, at step 20, after both)."""
