@@ -143,29 +143,29 @@ def launcher_env():
     """(rank, world_size, local_rank, local_world_size, launcher): as torchrun (or a hand launch, such as a Kubernetes
     PyTorchJob's: without LOCAL_RANK, one process per machine), mpirun or srun set them; else a lone process."""
     env = os.environ
-    for launcher, names in LAUNCHERS.items():
-        if names[0] in env or names[1] in env:
-            if not (names[0] in env and names[1] in env):
-                raise UsageError(f"{names[0]} and {names[1]} go together, and only one is set: set both, or neither")
-            rank, world, local_rank = int(env[names[0]]), int(env[names[1]]), int(env.get(names[2], 0))
-            local_world = int(env.get(names[3], 1))
-            if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a hand launch, a Kubernetes PyTorchJob
-                launcher = "env:// (no LOCAL_RANK: one process per machine)"
-            break
-    else:
-        if "SLURM_STEP_NUM_TASKS" not in env:  # (sbatch's batch script is one process: no SLURM_STEP_*)
-            return 0, 1, 0, 1, None
-        launcher, rank, world, local_rank = "srun", *(int(env[k]) for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
-                                                                            "SLURM_LOCALID"))
-        counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # e.g. "8(x2),4"
-        local_world = [int(n) for count, times in counts for n in [count] * int(times or 1)][int(env["SLURM_NODEID"])]
-        first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
-        env.setdefault("MASTER_ADDR", first_node.replace("[", ""))
-        env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # the same on every node, per job
+    launcher, names = next(((k, v) for k, v in LAUNCHERS.items() if v[0] in env or v[1] in env), (None, None))
+    if names is None:
+        return srun_env(env) if "SLURM_STEP_NUM_TASKS" in env else (0, 1, 0, 1, None)  # (sbatch's script: no STEP)
+    if not (names[0] in env and names[1] in env):
+        raise UsageError(f"{names[0]} and {names[1]} go together, and only one is set: set both, or neither")
+    if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a hand launch, a Kubernetes PyTorchJob
+        launcher = "env:// (no LOCAL_RANK: one process per machine)"
+    world = int(env[names[1]])
     if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
         raise UsageError(f"{launcher}: {world} processes, but no MASTER_ADDR and MASTER_PORT (where rank 0 meets the "
                          "others): set both, the same on every machine")
-    return rank, world, local_rank, local_world, launcher
+    return int(env[names[0]]), world, int(env.get(names[2], 0)), int(env.get(names[3], 1)), launcher
+
+
+def srun_env(env):
+    """launcher_env's, for a task of an srun step; rank 0 is met on the step's first node, at a port of the job's."""
+    counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # e.g. "8(x2),4"
+    local_world = [int(n) for count, times in counts for n in [count] * int(times or 1)][int(env["SLURM_NODEID"])]
+    first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)  # e.g. "gpu[3-4]"
+    env.setdefault("MASTER_ADDR", first_node.replace("[", ""))
+    env.setdefault("MASTER_PORT", str(15000 + int(env["SLURM_JOB_ID"]) % 20000))  # the same on every node, per job
+    return (int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_LOCALID"]), local_world,
+            "srun")
 
 
 def one_of_several():  # the launcher that started this process as one of several (torchrun: of any number), if any
@@ -332,17 +332,22 @@ def read_checkpoint(path):
                          "truncated one, or a whole pickled model (save model.state_dict() instead)?") from None
 
 
+def make_out_dir(out_dir, fresh):
+    """--out-dir, made; `fresh`: a new run where an earlier one's last.pt is, which it must not replace unasked."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file of that name, no permission
+        raise UsageError(f"--out-dir {out_dir}: {e.strerror}: give a folder this user can write to") from None
+    if fresh:
+        raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
+                         "replaces it, or give another --out-dir")
+
+
 def find_checkpoint(run):
     """Rank 0, before anything is written: the checkpoint --resume names, checked against this run, or None. A fresh
     run never replaces an earlier last.pt unasked."""
     args, path = run.args, os.path.join(run.out_dir, "last.pt")
-    try:
-        os.makedirs(run.out_dir, exist_ok=True)
-    except OSError as e:  # a file of that name, no permission
-        raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}: give a folder this user can write to") from None
-    if os.path.exists(path) and not (args.resume or args.overwrite):
-        raise UsageError(f"{run.out_dir} holds the last.pt of an earlier run: --resume auto continues it, "
-                         "--overwrite replaces it, or give another --out-dir")
+    make_out_dir(run.out_dir, fresh=os.path.exists(path) and not (args.resume or args.overwrite))
     if args.resume == "auto" and not os.path.exists(path):
         print(f"--resume auto: no last.pt in {run.out_dir}, starting afresh", flush=True)
     if not args.resume or (args.resume == "auto" and not os.path.exists(path)):
@@ -370,18 +375,24 @@ def check_fits(path, ckpt, shapes, run):
             != run.global_batch:
         raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is {run.global_batch}: keep "
                          f"--batch-size x processes x --grad-accum = {saved}")
-    changed = {k: (a[k], getattr(run.args, k)) for k in ("lr", "momentum", "weight_decay", "epochs", "warmup_epochs")
-               if k in a and a[k] != getattr(run.args, k)}
-    if changed:  # lr, momentum and weight decay are in the optimizer's state, which goes on; the schedule is rebuilt
-        print("flags that differ from the checkpoint's: " + ", ".join(
-            f"--{k.replace('_', '-')} {new} " + (f"(was {old}: the LR schedule is the new one from here)" if "epochs"
-                                                 in k else f"(ignored: its {old} goes on)")
-            for k, (old, new) in changed.items()), flush=True)
+    say_changed(a, run.args)
     if ckpt.get("steps_per_epoch", run.steps_per_epoch) != run.steps_per_epoch:  # the position would be elsewhere
         raise UsageError(f"{path} was trained with {ckpt['steps_per_epoch']} steps per epoch, this run has "
                          f"{run.steps_per_epoch}: the data set changed (--train-size, the files); keep it, or start "
                          "from its weights with --weights")
     return ckpt
+
+
+def say_changed(saved, args):
+    """One line naming the flags of the optimizer and schedule that differ from the checkpoint's `saved`: --lr,
+    --momentum and --weight-decay are in the optimizer's state, which goes on; the schedule is rebuilt from them."""
+    changed = {k: (saved[k], getattr(args, k)) for k in ("lr", "momentum", "weight_decay", "epochs", "warmup_epochs")
+               if k in saved and saved[k] != getattr(args, k)}
+    if changed:
+        print("flags that differ from the checkpoint's: " + ", ".join(
+            f"--{k.replace('_', '-')} {new} " + (f"(was {old}: the LR schedule is the new one from here)" if "epochs"
+                                                 in k else f"(ignored: its {old} goes on)")
+            for k, (old, new) in changed.items()), flush=True)
 
 
 def rng_state(device):

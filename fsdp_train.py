@@ -243,7 +243,7 @@ def pad_forwards(run):
     ds = run.val_loader.dataset
     batches = math.ceil(math.ceil(len(ds) / run.world_size) / run.args.batch_size)  # rank 0's
     for _ in range(len(run.val_loader), batches):
-        run.raw_model(common.to_device(run, ds, ds[0][0][None], torch.zeros(1))[0])  # its output counts nowhere
+        run.raw_model(common.to_device(run, ds, ds[0][0][None], torch.zeros(1, dtype=torch.long))[0])  # counts nowhere
 
 
 def save(run, blocking=False):
