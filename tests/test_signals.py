@@ -431,8 +431,8 @@ def test_sigterm_to_torchrun_with_steps_of_seconds_saves_at_one_step_well_within
 @pytest.mark.slow
 def test_a_save_that_outlives_the_grace_period_is_killed_and_the_previous_checkpoint_stays_whole(tmp_path, measured):
     """SIGTERM to torchrun at step 6; the save at the agreed step never ends (it waits half-written for a `go` that
-    never comes): torchrun kills its workers 30 s after the signal. last.pt is step 4's, whole, and a resume goes on
-    from there."""
+    never comes): torchrun kills its workers 30 s after the signal, rank 1 too, which waits to learn whether rank 0's
+    write succeeded. last.pt is step 4's, whole, and a resume goes on from there."""
     hooks = Hooks(tmp_path, pause_at=PAUSE, stall_save=2)  # step 4's save, then the stop's
     proc, out = torchrun_run(tmp_path, hooks, "--save-every", 4)
     try:
@@ -443,9 +443,11 @@ def test_a_save_that_outlives_the_grace_period_is_killed_and_the_previous_checkp
     finally:
         proc.kill()
     p = proc.result()
-    assert hooks.exits() == {1: 143}, p.stdout[-3000:]  # rank 1's part of the save is done; rank 0 is killed...
+    # rank 1 waits for rank 0's write (common.on_rank0: had it failed, rank 1 would stop with its line too); torchrun
+    # kills rank 0, having waited 30 s for it, and rank 1 then, or rank 1 leaves first, seeing rank 0 gone (143)
+    assert hooks.exits() in ({}, {1: 143}), (hooks.exits(), p.stdout[-3000:])
     assert re.search(rf"Unable to shutdown process {hooks.ranks('paused')[0]} via 15, forcefully exiting via 9",
-                     p.stdout), p.stdout[-3000:]  # ...by torchrun, which has waited 30 s for it
+                     p.stdout), p.stdout[-3000:]
     assert GRACE - 1 <= seconds < GRACE + 15, seconds
     assert position(load(out / "last.pt"), 32) == 4  # the one written before the signal, whole
     assert temporary(out) == [os.path.basename(json.loads(hooks.ranks("saving")[0])["path"])]  # and its successor's
