@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -262,6 +263,24 @@ def test_sharded_checkpoints_move_between_process_counts(runs, legs, tmp_path, m
         assert max_diff(ckpt["optimizer"], same.ckpt["optimizer"]) == 0
         for k in ("train_loss", "val_loss", "val_acc"):
             assert [r[k] for r in metrics(str(out))] == [r[k] for r in same.rows], k
+
+
+@pytest.mark.slow
+def test_a_sharded_resume_of_a_batchnorm_model_mid_epoch_is_bit_for_bit_the_straight_run(runs, tmp_path):
+    """resnet18 on 2 processes, 2 epochs of 3 steps, a ckpt-<step> folder saved at step 4 (mid-epoch 2, when each
+    rank's BatchNorm statistics are its own), the run's later folder removed, resumed from it to the end. Weights,
+    BatchNorm statistics, optimizer state and validation numbers equal the straight run's exactly: the folder holds
+    rank 0's statistics, what every rank gets at each epoch's end (DCP's default writes them from rank 1)."""
+    args, out = [*RESNET, "--epochs", 2, "--batch-size", 8, "--ckpt-format", "dcp", "--resume", "auto"], tmp_path / "o"
+    launch(FSDP, 2, [*args, "--out-dir", out, "--save-every", 4])
+    shutil.rmtree(newest_folder(out))  # ckpt-6: the resume takes ckpt-4
+    p = launch(FSDP, 2, [*args, "--out-dir", out])
+    assert "resuming at step 4" in p.stdout, p.stdout[-2000:]
+    resumed, straight = newest_sharded(out, tmp_path), runs("resnet_2_epochs", FSDP, 2, *args[:-4])
+    assert straight.ckpt["model"]["layer1.0.bn1.running_mean"].abs().max() > 1e-3  # the statistics did move
+    assert max_diff(resumed["model"], straight.ckpt["model"]) == 0
+    assert max_diff(resumed["optimizer"], straight.ckpt["optimizer"]) == 0
+    assert metrics(str(out))[-1]["val_loss"] == straight.rows[-1]["val_loss"]
 
 
 # ---- 4. bf16 learns as well as fp32
