@@ -152,14 +152,21 @@ def run_once(script, *args, nproc, launcher, env, timeout, launcher_args):
     token = f"{os.getpid()}-{next(RUNS)}"  # in the environment of every process it starts, orphans included
     p = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {}), TEST_RUN=token), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = communicate(p, timeout, token, spare_launcher=launcher == "torchrun")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def communicate(p, timeout, token, spare_launcher):
+    """p's output; on timeout, an AssertionError with every stack of what hung. `token`: the TEST_RUN in the
+    environment of every process p started."""
     try:
-        out, err = p.communicate(timeout=timeout)
+        return p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # first SIGABRT, on which Python prints every thread's stack (PYTHONFAULTHANDLER): where it hung. Not
         # only p's tree: a worker whose launcher has exited is nobody's child, but still holds p's output open.
         # torchrun itself is spared it (it would die of it, and its workers with it, before they print)
         state = "still running" if p.poll() is None else f"exited {p.returncode}, a process it started still running"
-        spared = {p.pid} if launcher == "torchrun" else set()
+        spared = {p.pid} if spare_launcher else set()
         for sig, pids in ((signal.SIGABRT, lambda: set(started_by(token)) - spared),
                           (signal.SIGKILL, lambda: {p.pid, *started_by(token)})):
             for pid in pids():
@@ -170,9 +177,8 @@ def run_once(script, *args, nproc, launcher, env, timeout, launcher_args):
             out, err = p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             out, err = "", "(its output could not be read)"
-        raise AssertionError(f"timed out after {timeout}s ({state}): {' '.join(cmd)}\n{out[-3000:]}\n"
+        raise AssertionError(f"timed out after {timeout}s ({state}): {' '.join(p.args)}\n{out[-3000:]}\n"
                              f"{err[-12000:]}") from None
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def env_ranks(nproc, port):

@@ -17,10 +17,11 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, kill_tree, max_diff,
+from conftest import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, communicate, max_diff,
                       metrics)
 
 SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process)
@@ -178,17 +179,13 @@ def launch(folder, script, *args, how="python", env=None, unset=(), timeout=TIME
     else:
         cmd = [sys.executable, script] + (["--nprocs", "2"] if how == "spawn" else [])
     cmd += [str(a) for a in args]
-    environment = clean_env(**(env or {}))
+    token = f"core-{os.getpid()}-{time.monotonic_ns()}"  # to find (and dump the stacks of) what it started
+    environment = clean_env(**(env or {}), TEST_RUN=token)
     for name in unset:
         environment.pop(name, None)
     p = subprocess.Popen(cmd, cwd=folder, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(p.pid)
-        out, err = p.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}") from None
+    out, err = communicate(p, timeout, token, spare_launcher=how == "torchrun")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
@@ -364,6 +361,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 if "torch.distributed.run" not in sys.orig_argv:
     del os.sched_getaffinity
