@@ -4,6 +4,7 @@ where a flag or a default asks for them: with your own Dataset and nn.Module, a 
 import argparse
 import contextlib
 import datetime
+import errno
 import importlib
 import json
 import math
@@ -12,12 +13,13 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 from tqdm import tqdm
 
 
@@ -28,6 +30,25 @@ class UsageError(Exception):
     def __init__(self, message, code=2, printer=0):
         super().__init__(message)
         self.code, self.printer = code, printer
+
+
+class DataError(UsageError):
+    """A sample that cannot train, found where it is read (a DataLoader worker, or this process): only that rank
+    knows, so that rank prints it. From a worker it comes back with the worker's traceback as its message: the last
+    line is the one."""
+
+    def __init__(self, message, printer=None):
+        super().__init__(message, printer=printer)
+
+    def __str__(self):
+        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
+
+
+class NotASample(DataError):
+    """What every sample is, and so every rank finds: rank 0 says it."""
+
+    def __init__(self, message):
+        super().__init__(message, printer=0)
 
 
 # ---- the command line: the same flags, with the same meanings, in every script
@@ -263,12 +284,30 @@ def make_loader(ds, batches, run):
     is not drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
     if not isinstance(ds, TensorDataset):
         return DataLoader(ds, batch_sampler=batches, num_workers=run.args.workers, generator=torch.Generator(),
-                          pin_memory=run.device.type in ("cuda", "xpu"))
+                          pin_memory=run.device.type in ("cuda", "xpu"), collate_fn=collate)
     if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:
         ds.tensors = tuple(t.to(run.device) for t in ds.tensors)  # copied once, not every step
     # the epoch's indices copied there at once: a list, made a tensor at each step, would wait for the device there
     index = torch.tensor([i for b in batches for i in b], dtype=torch.long, device=ds.tensors[0].device)
     return DataLoader(ds, sampler=index.split([len(b) for b in batches]), batch_size=None, generator=torch.Generator())
+
+
+def collate(samples):
+    """default_collate of (input, label) samples; other samples, or inputs of sizes that do not stack, one line."""
+    if not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
+        s = next(s for s in samples if not (isinstance(s, (tuple, list)) and len(s) == 2))
+        got = f"a dict of {list(s)}" if isinstance(s, dict) else f"{len(s)} values" if isinstance(s, (tuple, list)) \
+            else f"a {type(s).__name__}"
+        raise NotASample(f"your Dataset's __getitem__ returns {got}: return two, (input, label), e.g. "
+                        "`return d['image'], d['label']`")
+    try:
+        return default_collate(samples)
+    except RuntimeError:
+        if len(shapes := {tuple(torch.as_tensor(x).shape) for x, _ in samples}) < 2:
+            raise
+        raise DataError(f"inputs of different sizes in one batch ({', '.join(map(str, sorted(shapes)[:3]))}): resize "
+                        "them to one in your Dataset (torchvision.transforms.v2.Resize), or give --dataset "
+                        "imagefolder an --image-size") from None
 
 
 def to_device(run, ds, x, y):
@@ -311,16 +350,22 @@ def save_atomic(obj, path):
             torch.save(obj, f)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # on a full disk torch's writer says only "unexpected pos": say what is free
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:120]
-        with contextlib.suppress(OSError):
-            free = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
-            why = f"{'no space left on device, ' * (free < 1 and isinstance(e, RuntimeError))}{why}; {free:.1f} MiB " \
-                  "free there"
-        raise UsageError(f"could not save {path}: {why}. The previous checkpoint, if any, is whole") from None
+    except (OSError, RuntimeError) as e:
+        raise save_failed(path, e) from None
     finally:
         if os.path.exists(tmp):  # a full disk: no partial file left behind
             os.remove(tmp)
+
+
+def save_failed(path, e):
+    """The one line of a save that failed with `e`: its cause and the room left there (on a full disk, torch's own
+    writer says only "unexpected pos")."""
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:120]
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
+        why = f"{os.strerror(errno.ENOSPC) if free < 1 and isinstance(e, RuntimeError) else why}; {free:.1f} MiB " \
+              "free there"
+    return UsageError(f"could not save {path}: {why}. The previous checkpoint, if any, is whole")
 
 
 def read_checkpoint(path):
@@ -336,7 +381,8 @@ def make_out_dir(out_dir, fresh):
     """--out-dir, made; `fresh`: a new run where an earlier one's last.pt is, which it must not replace unasked."""
     try:
         os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:  # a file of that name, no permission
+        tempfile.TemporaryFile(dir=out_dir).close()  # writable: a read-only disk said now, not an epoch later
+    except OSError as e:  # a file of that name, no permission, a read-only disk
         raise UsageError(f"--out-dir {out_dir}: {e.strerror}: give a folder this user can write to") from None
     if fresh:
         raise UsageError(f"{out_dir} holds the last.pt of an earlier run: --resume auto continues it, --overwrite "
@@ -556,8 +602,15 @@ def log_epoch(run, row):
     row = {"epoch": p.epoch + p.step_in_epoch / p.steps_per_epoch, "step": p.step, **row, "samples_per_s":
            p.samples_per_s(), "epoch_time_s": p.t1 - p.t0[0] if p.t0 else 0.0, "peak_mem_mb":
            torch.accelerator.max_memory_allocated(run.device) / 2**20 if run.device.type in ("cuda", "xpu") else None}
-    with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    path, line = os.path.join(run.out_dir, "metrics.jsonl"), (json.dumps(row) + "\n").encode()
+    try:
+        with open(path, "ab", buffering=0) as f:  # unbuffered: a write that fails fails here, and is taken back
+            end = f.tell()
+            if f.write(line) != len(line):  # (the disk filled up mid-row)
+                f.truncate(end)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as e:  # a full disk, a quota, the folder gone or read-only; the checkpoint of this step is saved
+        raise UsageError(f"could not write {path}: {e.strerror}; the checkpoint of step {p.step} was saved") from None
     if run.args.tensorboard:
         with importlib.import_module("torch.utils.tensorboard").SummaryWriter(run.out_dir) as writer:
             for k in ("train_loss", "val_loss", "val_acc", "lr", "samples_per_s"):
@@ -613,7 +666,9 @@ def run(main, parse_args):
 
 def say(e, rank):
     """`e` printed once, by the rank it names (not by each rank that raised it); returns its exit status."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: a launcher's SIGTERM must not cut it short,
+    if hasattr(signal, "SIGCHLD"):  # nor the DataLoader's check of its workers, which that SIGTERM ends
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if printer := e.printer in (None, rank):
         print(e if e.code == 0 or e.code > 128 else f"error: {e}", file=sys.stderr, flush=True)
     # rank 0 says why before the others exit; before the process group, a launcher's peers may still be starting,

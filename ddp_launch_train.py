@@ -220,10 +220,9 @@ def main(args):
             t1 = time.time()
             val, eval_time_s = evaluate(run), time.time() - t1
             save(run)  # first: no metrics row for a step no checkpoint holds
-            if master:
-                row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
-                       run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
-                common.log_epoch(run, row)
+            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
+                   run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
+            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: every rank stops
             if progress.step == args.max_steps:
                 break
 

@@ -314,12 +314,12 @@ def main(args):
                 dist.broadcast(buffer, src=0)
             t1 = time.time()
             val, eval_time_s = evaluate(run), time.time() - t1
-            save(run)  # first: no metrics row for a step no checkpoint holds
-            if master:
-                row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
-                       run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
-                row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes and the FSDP flags
-                common.log_epoch(run, row)
+            save(run, blocking=progress.step == end)  # [fsdp] first: no row for a step no checkpoint holds
+            # (the last save whole before its row even with --async-save; an earlier one may fail after its row)
+            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
+                   run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
+            row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes and the FSDP flags
+            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: every rank stops
             if progress.step == args.max_steps:
                 break
         if run.sharded:  # [fsdp] the last save, if written in the background, complete

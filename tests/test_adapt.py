@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, checkpoint, metrics, run
+from conftest import ROOT, checkpoint, metrics, run, worker_exit_codes
+from test_failures import one_error_line
 
 # the copier's own code: a map-style Dataset of (image, label) pairs with its own random augmentation, and a model
 MY_PROJECT = '''
@@ -153,3 +154,34 @@ def test_the_epoch_time_holds_the_waits_for_data_and_the_steps(tmp_path):
     # from the end of step 1 (common.Progress): 29 batches and 29 steps of at least 0.05 s each
     assert row["epoch_time_s"] >= 29 * (0.05 + 0.05), row
     assert row["samples_per_s"] == pytest.approx(29 * 8 / row["epoch_time_s"], rel=1e-6), row
+
+
+# samples a Dataset should not return: a dict, three values, and one input of another size among 600
+NOT_SAMPLES = {
+    "a_dict": ("return x, int(self.y[i])", "return {'image': x, 'label': int(self.y[i])}",
+               "your Dataset's __getitem__ returns a dict of ['image', 'label']: return two, (input, label)"),
+    "three_values": ("return x, int(self.y[i])", "return x, int(self.y[i]), i",
+                     "your Dataset's __getitem__ returns 3 values: return two, (input, label)"),
+    "one_of_another_size": ("x = self.x[i]", "x = self.x[i] if i != 5 else self.x[i, :, :10, :10]",
+                            "inputs of different sizes in one batch ((1, 10, 10), (1, 12, 12)): resize them"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, how", [("a_dict", "torchrun"), ("three_values", "python"),
+                                       ("one_of_another_size", "torchrun")])
+def test_samples_that_cannot_train_are_one_line_printed_once(tmp_path, case, how):
+    """Read by DataLoader workers (under torchrun, the default 2 per process) or in the process (--workers 0): one
+    `error:` line saying what to return, exit 2. The dict and the three values: every rank finds them, rank 0 says
+    so; the one odd input: the rank whose batch holds it."""
+    old, new, line = NOT_SAMPLES[case]
+    script = adapted_copy(tmp_path, MY_PROJECT.replace(old, new))
+    args = ["--epochs", 1, "--batch-size", 16, "--out-dir", tmp_path / "out"] + ["--workers", 0] * (how == "python")
+    p = run(script, *args, launcher=how, nproc=2 if how == "torchrun" else None, check=False)
+    if case != "one_of_another_size":
+        assert line in one_error_line(p, 2, nproc=2 if how == "torchrun" else None)
+    else:  # the rank that found it exits 2, torchrun's root cause; the other is stopped by torchrun, or loses its peer
+        errors = [e for e in p.stderr.splitlines() if e.startswith("error:")]
+        assert len(errors) == 1 and line in errors[0], p.stderr[-3000:]
+        assert p.returncode == 1 and list(worker_exit_codes(p.stderr.split("Root Cause")[-1]).values()) == [2]
+    assert not os.path.exists(tmp_path / "out" / "last.pt")

@@ -368,3 +368,4 @@ def test_bad_input_one_line(tmp_path, nproc, args, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], stderr[0]
     assert all(stderr[rank] == "" for rank in range(1, nproc)), stderr
     assert not os.path.exists(tmp_path / "out" / "last.pt")
+

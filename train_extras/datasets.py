@@ -131,16 +131,6 @@ def crop_flip(x, r, pad):
 
 
 # ---- an ImageFolder: files decoded in DataLoader workers
-class BadFile(common.UsageError):
-    """An unreadable image: only the rank that read it knows, so that rank prints it."""
-
-    def __init__(self, message):
-        super().__init__(message, printer=None)
-
-    def __str__(self):  # raised again in the main process with the worker's traceback as its message: its last line
-        return super().__str__().strip().splitlines()[-1].split("BadFile: ", 1)[-1]
-
-
 class ImageFiles(Dataset):
     """The images of root/<class>/<image>, resized to `size` (with random crop and flip where `augment`), or with
     `weights` (--pretrained) preprocessed as theirs. Decoded by torchvision.io and transformed while still uint8
@@ -177,8 +167,8 @@ class ImageFiles(Dataset):
         try:
             image = self.read(path)
         except (OSError, ValueError) as e:  # truncated, empty, not an image: name the file, among 100,000 others
-            why = " ".join(str(e).split())  # one line: BadFile keeps only the last
-            raise BadFile(f"{path} is not a readable image ({type(e).__name__}: {why}): remove or replace it") from None
+            why = " ".join(str(e).split())  # one line: a DataError keeps only the last
+            raise common.DataError(f"{path} is not a readable image ({type(e).__name__}: {why}): remove or replace it") from None
         # torchvision's random transforms draw from torch's CPU generator: seeded here, and left as it was
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(int(per_sample_random(self.seed, self.epoch, torch.tensor(i))))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -73,16 +74,26 @@ class Saver:
         # what every rank holds alike (BatchNorm's statistics, which may differ mid-epoch): rank 0's, as in last.pt
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if self.group is None or blocking:
-            dcp.save(state, checkpoint_id=tmp, planner=planner)
-            self.commit(tmp)
+            self.complete(lambda: dcp.save(state, checkpoint_id=tmp, planner=planner), tmp)
         else:
             self.pending = dcp.async_save(state, checkpoint_id=tmp, planner=planner, process_group=self.group), tmp
 
     def wait(self):  # the save in the background, if any, complete
         if self.pending:
             (future, tmp), self.pending = self.pending, None
-            future.result()
-            self.commit(tmp)
+            self.complete(future.result, tmp)
+
+    def complete(self, write, tmp):
+        """write() on every rank, then commit. A rank's write that fails (a full disk) fails it on every rank (DCP
+        gathers the failures): one line, and no .tmp folder left."""
+        try:
+            write()
+        except CheckpointException as e:
+            error = common.save_failed(tmp[:-len(".tmp")], next(iter(e.failures.values()))[0])  # (before the rmtree)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error from None
+        self.commit(tmp)
 
     def commit(self, tmp):
         """Rank 0, once DCP has returned there: every rank's part is written (rank 0, DCP's coordinator, writes the

@@ -1,0 +1,116 @@
+"""Disks that fail a run: a full one (a real tmpfs too small for a second checkpoint), one made read-only before the
+run or in the middle of it (a real read-only bind mount: root writes into a chmod 555 folder, so chmod cannot test
+it), a quota reached by the metrics row (an injected EDQUOT), a sharded save on a full disk. Every case: one line
+naming the file and the cause, every rank exits 2, the previous checkpoint whole, no temporary file, no metrics row
+for a step no checkpoint holds. The mounts need root (CI runs as root; REQUIRE_MOUNTS=1 there: green means they
+ran)."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, checkpoint, clean_env, communicate, metrics, run
+from hooks import Hooks
+from test_failures import one_error_line
+
+# 96 samples of batch 12 (6 a process under torchrun): 8 steps an epoch; the default cnn's last.pt is 9.2 MiB
+TINY = ["--train-size", 96, "--val-size", 20, "--epochs", 2]
+
+
+def batch(nproc):
+    return ["--batch-size", 12 // (nproc or 1)]
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount(path, *options): a tmpfs at `path` (made), e.g. mount(p, "-t", "tmpfs", "-o", "size=16m"), or a bind
+    mount; unmounted at the end. Root only."""
+    if os.geteuid() != 0:
+        reason = "mounts a tmpfs or a read-only bind mount: root only"
+        pytest.fail(f"REQUIRE_MOUNTS=1, but {reason}") if os.environ.get("REQUIRE_MOUNTS") == "1" else pytest.skip(reason)
+    done = []
+
+    def mount(path, *options):
+        os.makedirs(path, exist_ok=True)
+        subprocess.run(["mount", *options, *([path] if "tmpfs" not in options else ["tmpfs"]), path], check=True,
+                       env=clean_env())
+        done.append(path)
+    yield mount
+    for path in reversed(done):
+        subprocess.run(["umount", "-l", path], env=clean_env())
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_whole(tmp_path, mount, launcher):
+    """16 MiB: room for epoch 1's last.pt (9.2 MiB), not for epoch 2's beside it (written aside, then renamed)."""
+    out, nproc = tmp_path / "disk", 2 if launcher == "torchrun" else None
+    mount(out, "-t", "tmpfs", "-o", "size=16m")
+    p = run("ddp_launch_train.py", *TINY, *batch(nproc), "--out-dir", out, launcher=launcher, nproc=nproc, check=False)
+    line = one_error_line(p, 2, nproc)
+    assert line.startswith(f"error: could not save {out / 'last.pt'}: No space left on device; ") and \
+        line.endswith("MiB free there. The previous checkpoint, if any, is whole"), line
+    assert checkpoint(str(out))["epoch"] == 1 and [r["epoch"] for r in metrics(str(out))] == [1]
+    assert sorted(os.listdir(out)) == ["last.pt", "metrics.jsonl"]
+
+
+def test_a_read_only_out_dir_is_one_line_before_training(tmp_path, mount):
+    out = tmp_path / "ro"
+    mount(out, "--bind")
+    mount(out, "-o", "remount,bind,ro")
+    p = run("ddp_launch_train.py", *TINY, *batch(2), "--out-dir", out, launcher="torchrun", nproc=2, check=False)
+    assert one_error_line(p, 2, 2) == f"error: --out-dir {out}: Read-only file system: give a folder this user can " \
+        "write to"
+    assert os.listdir(out) == []
+
+
+@pytest.mark.slow
+def test_an_out_dir_made_read_only_mid_run_is_one_line_and_keeps_the_first_epoch(tmp_path, mount):
+    """Remounted read-only at step 12 (in epoch 2, under torchrun): epoch 2's save fails on rank 0, every rank
+    exits 2 with one line; epoch 1's checkpoint and row stay."""
+    out, hooks = tmp_path / "out", Hooks(tmp_path, pause_at=12)
+    mount(out, "--bind")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", "ddp_launch_train.py", *map(str, [*TINY, *batch(2), "--out-dir", out])]
+    token = f"disks-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**hooks.env, TEST_RUN=token), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    t = time.monotonic()
+    while len(hooks.paused()) < 2 and proc.poll() is None and time.monotonic() - t < 120:
+        time.sleep(0.1)
+    mount(out, "-o", "remount,bind,ro")
+    hooks.go("pause")
+    p = subprocess.CompletedProcess(cmd, None, *communicate(proc, 120, token, spare_launcher=True))
+    p.returncode = proc.returncode
+    assert one_error_line(p, 2, 2).startswith(f"error: could not save {out / 'last.pt'}: Read-only file system; ")
+    assert checkpoint(str(out))["epoch"] == 1 and [r["epoch"] for r in metrics(str(out))] == [1]
+    assert sorted(os.listdir(out)) == ["last.pt", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_metrics_row_over_the_quota_is_one_line_after_its_checkpoint(tmp_path, launcher):
+    """Epoch 2's row fails (EDQUOT, injected: tests/hooks.py TEST_FAIL_METRICS) after its checkpoint was saved: one
+    line saying so, every rank exits 2, no half row."""
+    out, nproc, hooks = tmp_path / "out", 2 if launcher == "torchrun" else None, Hooks(tmp_path, fail_metrics=2)
+    p = run("ddp_launch_train.py", *TINY, *batch(nproc), "--out-dir", out, launcher=launcher, nproc=nproc,
+            env=hooks.env, check=False)
+    assert one_error_line(p, 2, nproc) == f"error: could not write {out / 'metrics.jsonl'}: Disk quota exceeded; " \
+        "the checkpoint of step 16 was saved"
+    assert checkpoint(str(out))["epoch"] == 2 and [r["epoch"] for r in metrics(str(out))] == [1]
+
+
+@pytest.mark.parametrize("extra", [[], ["--async-save"]], ids=["dcp", "dcp_async"])
+def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_partial_folder(tmp_path, mount, extra):
+    """fsdp_train.py --ckpt-format dcp on 2 processes, 16 MiB: epoch 1's ckpt-8 folder (9.3 MiB) fits, epoch 2's
+    does not. Every rank learns of it (DCP gathers the failures): one line, every rank exits 2, ckpt-8 whole and
+    the only folder, no ckpt-16.tmp, epoch 1's row only."""
+    out = tmp_path / "disk"
+    mount(out, "-t", "tmpfs", "-o", "size=16m")
+    p = run("fsdp_train.py", *TINY, *batch(2), "--ckpt-format", "dcp", *extra, "--out-dir", out, launcher="torchrun",
+            nproc=2, check=False)
+    line = one_error_line(p, 2, 2)
+    assert line.startswith(f"error: could not save {out / 'ckpt-16'}: No space left on device; ") and \
+        line.endswith("MiB free there. The previous checkpoint, if any, is whole"), line
+    assert sorted(os.listdir(out)) == ["ckpt-8", "metrics.jsonl"] and [r["epoch"] for r in metrics(str(out))] == [1]
+    assert os.path.isfile(out / "ckpt-8" / ".metadata")
