@@ -369,3 +369,64 @@ def test_bad_input_one_line(tmp_path, nproc, args, words):
     assert all(stderr[rank] == "" for rank in range(1, nproc)), stderr
     assert not os.path.exists(tmp_path / "out" / "last.pt")
 
+
+# a model whose training reads a buffer that each rank updates from its own batches (a running centring of the
+# inputs), and that FSDP leaves different on each rank
+RANK_BUFFER = r'''
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+
+class Points(Dataset):
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        self.x = 1.5 * torch.randn(4, 16, generator=torch.Generator().manual_seed(1234))[self.y] + torch.randn(n, 16,
+                                                                                                           generator=g)
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def load_data(args):
+    return Points(512, 1), Points(64, 2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.register_buffer("centre", torch.zeros(16))
+
+    def forward(self, x):
+        if self.training:
+            self.centre.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.body(x - self.centre)
+'''
+
+
+@pytest.mark.slow
+def test_a_sharded_resume_restores_each_ranks_own_buffers(tmp_path):
+    """A copier's model that trains on a buffer of its own rank's batches, 16 steps on 2 processes with a ckpt-12
+    folder, resumed from it: ends bit for bit where the run did. Given rank 0's buffer instead (what the model's
+    state holds), rank 1 trains on another centring, and the weights differ."""
+    from test_core import copy_alone, launch
+    folder = copy_alone(tmp_path / "project", FSDP, RANK_BUFFER)
+    shutil.copytree(os.path.join(ROOT, "train_extras"), folder / "train_extras")
+    args = [FSDP, "--epochs", 1, "--batch-size", 16, "--ckpt-format", "dcp", "--save-every", 12, "--resume", "auto",
+            "--out-dir", tmp_path / "out"]
+    for leg in ("straight", "resumed"):
+        p = launch(folder, *args, how="torchrun")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert leg == "straight" or "resuming at step 12" in p.stdout, p.stdout[-2000:]
+        to_file(newest_folder(tmp_path / "out"), str(tmp_path / f"{leg}.pt"))
+        shutil.rmtree(newest_folder(tmp_path / "out"))  # ckpt-16: the next leg resumes ckpt-12
+    to_file(str(tmp_path / "out" / "ckpt-12"), str(tmp_path / "mid.pt"))
+    mid = checkpoint(str(tmp_path / "mid.pt"))["buffers"]
+    assert mid["1"]["centre"].sub(mid["0"]["centre"]).abs().max() > 1e-2  # the ranks' buffers did differ there
+    straight, resumed = checkpoint(str(tmp_path / "straight.pt")), checkpoint(str(tmp_path / "resumed.pt"))
+    assert max_diff(resumed["model"], straight["model"]) == 0
+    assert max_diff(resumed["optimizer"], straight["optimizer"]) == 0

@@ -1,7 +1,8 @@
 """Sharded checkpoints for fsdp_train.py (--ckpt-format dcp, --async-save): each save is a folder ckpt-<step>, written
 by every rank with torch.distributed.checkpoint (DCP), each rank its own shards, nothing gathered. It holds what a
 last.pt holds, under the same names (model, optimizer, scheduler, position, rng, args, world_size), so that it
-converts to a last.pt and back, in one process without a process group:
+converts to a last.pt and back, in one process without a process group; and each rank's own buffers (buffers.<rank>:
+BatchNorm's statistics mid-epoch, which FSDP leaves to differ), restored to each rank at the same world size:
 
     python -m train_extras.sharded runs/fsdp_train/ckpt-96 last.pt      # folder -> file (loads with weights_only=True)
     python -m train_extras.sharded last.pt runs/fsdp_train/ckpt-96      # file -> folder
@@ -67,6 +68,8 @@ class Saver:
         on every rank): complete when it returns, even with --async-save."""
         self.wait()
         state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))  # this rank's shards
+        # and this rank's own buffers, under its rank: FSDP does not make them equal (the model's are rank 0's)
+        state["buffers"] = {str(run.rank): dict(run.raw_model.named_buffers())}
         if run.rank == 0:
             state.update(scheduler=run.scheduler.state_dict(), **run.progress.state(sums), rng=rngs,
                          args=vars(run.args), world_size=run.world_size)
@@ -130,13 +133,13 @@ def read(path, run):
     run as common.find_checkpoint checks a last.pt."""
     saved = metadata(path)
     names = saved.planner_data  # {flattened name: its path in the state dict, e.g. ("model", "fc1.weight")}
-    meta, keys = {}, {p[0] for p in names.values()} - {"model", "optimizer"}
+    meta, keys = {}, {p[0] for p in names.values()} - {"model", "optimizer", "buffers"}
     _load_state_dict(meta, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
                      no_dist=True)  # rank 0 alone
     shapes = {names[k][1]: torch.Size(m.size) for k, m in saved.state_dict_metadata.items() if names[k][0] == "model"}
     has_optimizer = ("optimizer", "param_groups") in {p[:2] for p in names.values()}
     common.check_fits(path, {**meta, "optimizer": None} if has_optimizer else meta, shapes, run)
-    return {**meta, "sharded": path}
+    return {**meta, "sharded": path, "rank_buffers": "buffers" in {p[0] for p in names.values()}}
 
 
 def metadata(path):
@@ -157,6 +160,9 @@ def load(meta, run):
     state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))  # filled in place
     dcp.load(state, checkpoint_id=meta["sharded"])
     set_state_dict(run.raw_model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if meta["rank_buffers"] and meta["world_size"] == run.world_size:
+        # each rank's own buffers as it left them (a mid-epoch save): rank 0's came with the model
+        dcp.load({"buffers": {str(run.rank): dict(run.raw_model.named_buffers())}}, checkpoint_id=meta["sharded"])
     run.scheduler.load_state_dict(meta["scheduler"])
     common.restore_rng(meta, run)
 
