@@ -227,7 +227,9 @@ def pick_backend(args, local_world_size, launcher):
     if backend != "gloo" and (count == 0 or local_world_size > count and not (launcher == "srun" and count == 1)):
         raise UsageError(f"--backend {backend} needs one accelerator per process: {local_world_size} processes on this "
                          f"machine, {count} {args.device} devices (gloo can share one)")
-    return backend
+    # and gloo for what is on the CPU: the object collectives (pickled flags, errors, the checkpoint's metadata) go
+    # there, not through the accelerator. (Without an accelerator such a group fails to initialise: gloo alone)
+    return backend if backend == "gloo" else f"{args.device}:{backend},cpu:gloo"
 
 
 def same_flags(args, allowed=("out_dir", "data_dir", "workers", "tensorboard", "local_rank")):

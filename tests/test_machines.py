@@ -28,8 +28,8 @@ def fake_accelerator(monkeypatch, kind, count=1):
 
 # ---- the device and the backend
 @pytest.mark.parametrize("kind, script_kind, device, backend", [
-    ("cuda", "ddp", "cuda", "nccl"),  # also ROCm: torch calls its GPUs cuda, and its nccl is RCCL
-    ("xpu", "ddp", "xpu", "xccl"),
+    ("cuda", "ddp", "cuda", "cuda:nccl,cpu:gloo"),  # also ROCm: torch calls its GPUs cuda, its nccl is RCCL
+    ("xpu", "ddp", "xpu", "xpu:xccl,cpu:gloo"),  # and gloo beside them, for the object collectives
     ("mps", "ddp", "cpu", "gloo"),  # no backend moves MPS tensors: the CPU
     ("mps", "dp", "mps", None),  # one process, no process group: the Mac's GPU
     (None, "ddp", "cpu", "gloo"),
@@ -67,7 +67,7 @@ def test_nccl_wants_a_gpu_per_process_but_srun_may_bind_one_to_each_task(monkeyp
         with pytest.raises(common.UsageError, match="--backend nccl needs one accelerator per process"):
             common.pick_backend(args, processes, launcher)
     else:
-        assert common.pick_backend(args, processes, launcher) == "nccl"
+        assert common.pick_backend(args, processes, launcher) == "cuda:nccl,cpu:gloo"
 
 
 def test_dp_with_device_cpu_on_a_gpu_machine_trains_on_the_cpu(monkeypatch):
