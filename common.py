@@ -305,7 +305,7 @@ def collate(samples):
     try:
         return default_collate(samples)
     except RuntimeError:
-        if len(shapes := {tuple(torch.as_tensor(x).shape) for x, _ in samples}) < 2:
+        if len(shapes := {tuple(getattr(x, "shape", ())) for x, _ in samples}) < 2:  # (tensors, numpy arrays)
             raise
         raise DataError(f"inputs of different sizes in one batch ({', '.join(map(str, sorted(shapes)[:3]))}): resize "
                         "them to one in your Dataset (torchvision.transforms.v2.Resize), or give --dataset "
