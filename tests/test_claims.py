@@ -84,7 +84,10 @@ def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
                     PYTHONPATH=os.pathsep.join(filter(None, [str(hook_dir), os.environ.get("PYTHONPATH")])))
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *conftest.LAUNCHER_PICKS_PORT,
             "ddp_launch_train.py"] if launch == "torchrun" else [sys.executable, "ddp_spawn_train.py", "--nprocs", "2"])
-    p = start([*cmd, *map(str, LONG), "--out-dir", str(out)], env, tmp_path / "logs")
+    # SIGINT as a terminal leaves it: a shell that runs the tests in the background (`pytest &`) ignores it, and so,
+    # inherited, would every process, and Python would install no KeyboardInterrupt for it
+    p = start([*cmd, *map(str, LONG), "--out-dir", str(out)], env, tmp_path / "logs",
+              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t = time.time()
         while not (out / "last.pt").exists():  # training, and a checkpoint written
