@@ -650,10 +650,14 @@ def run(main, parse_args):
     rank, code = next((int(os.environ[r]) for r in ranks if os.environ.get(r, "").isdigit()), 0), None
     try:
         main(parse_args())
-    except RuntimeError:
-        if received in (0, getattr(signal, "SIGUSR1", None)):  # else: told to stop, and a peer has left already
+    except RuntimeError as e:
+        if "find_unused_parameters=True" in str(e):  # DDP's, on every rank: its fix is a flag here
+            code = say(UsageError("some parameters got no gradient in a step, and DDP waits for every one (a branch "
+                                  "not taken, a layer left unused): give --find-unused-parameters"), rank)
+        elif received in (0, getattr(signal, "SIGUSR1", None)):  # else: told to stop, and a peer has left already
             raise
-        code = 128 + received
+        else:
+            code = 128 + received
     except UsageError as e:
         code = say(e, rank)
     finally:

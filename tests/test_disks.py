@@ -29,7 +29,8 @@ def mount(tmp_path):
     mount; unmounted at the end. Root only."""
     if os.geteuid() != 0:
         reason = "mounts a tmpfs or a read-only bind mount: root only"
-        pytest.fail(f"REQUIRE_MOUNTS=1, but {reason}") if os.environ.get("REQUIRE_MOUNTS") == "1" else pytest.skip(reason)
+        pytest.fail(f"REQUIRE_MOUNTS=1, but {reason}") if os.environ.get("REQUIRE_MOUNTS") == "1" else \
+            pytest.skip(reason)
     done = []
 
     def mount(path, *options):

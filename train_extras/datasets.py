@@ -168,7 +168,8 @@ class ImageFiles(Dataset):
             image = self.read(path)
         except (OSError, ValueError) as e:  # truncated, empty, not an image: name the file, among 100,000 others
             why = " ".join(str(e).split())  # one line: a DataError keeps only the last
-            raise common.DataError(f"{path} is not a readable image ({type(e).__name__}: {why}): remove or replace it") from None
+            raise common.DataError(f"{path} is not a readable image ({type(e).__name__}: {why}): remove or replace "
+                                   "it") from None
         # torchvision's random transforms draw from torch's CPU generator: seeded here, and left as it was
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(int(per_sample_random(self.seed, self.epoch, torch.tensor(i))))
