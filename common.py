@@ -296,8 +296,7 @@ def make_loader(ds, batches, run):
 
 def collate(samples):
     """default_collate of (input, label) samples; other samples, or inputs of sizes that do not stack, one line."""
-    if not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
-        s = next(s for s in samples if not (isinstance(s, (tuple, list)) and len(s) == 2))
+    if (s := next((s for s in samples if not (isinstance(s, (tuple, list)) and len(s) == 2)), None)) is not None:
         got = f"a dict of {list(s)}" if isinstance(s, dict) else f"{len(s)} values" if isinstance(s, (tuple, list)) \
             else f"a {type(s).__name__}"
         raise NotASample(f"your Dataset's __getitem__ returns {got}: return two, (input, label), e.g. "

@@ -361,7 +361,6 @@ import faulthandler
 import os
 import signal
 import sys
-import time
 
 if "torch.distributed.run" not in sys.orig_argv:
     del os.sched_getaffinity
