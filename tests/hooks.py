@@ -22,7 +22,8 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
     hung-rank<r>           rank r stops answering after its optimizer step TEST_HANG_AT ("rank:step"): an hour's
                            sleep, which a signal's Python handler does not end (the file holds its pid)
 Each optimizer step takes TEST_STEP_S seconds more (a slow model). The TEST_FAIL_SAVE-th checkpoint that a process writes with torch.save
-fails, as on a full disk; the TEST_FAIL_METRICS-th row appended to metrics.jsonl, as over a disk quota.
+fails, as on a full disk; the TEST_FAIL_METRICS-th row appended to metrics.jsonl, as over a disk quota ("n"), or as
+on a disk that fills up mid-row ("n:short": half of it written).
 """
 import os
 import signal
@@ -111,16 +112,32 @@ def _install():
     register_optimizer_step_post_hook(_after_step)
 
     import builtins
-    _open, _fail_metrics, _rows = builtins.open, int(os.environ.get("TEST_FAIL_METRICS", "0")), [0]
+    _open, (_fail_metrics, _, _short) = builtins.open, os.environ.get("TEST_FAIL_METRICS", "0").partition(":")
+    _rows = [0]
 
-    def _quota_open(file, mode="r", *args, **kwargs):  # the TEST_FAIL_METRICS-th row appended: over the quota
+    class _HalfWrite:  # the disk full mid-row: half of it written, and write() says so, as an unbuffered file does
+        def __init__(self, f):
+            self.f, self.tell, self.truncate = f, f.tell, f.truncate
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            return self.f.write(data[:len(data) // 2])
+
+    def _failing_open(file, mode="r", *args, **kwargs):  # the TEST_FAIL_METRICS-th row appended fails
         if str(file).endswith("metrics.jsonl") and mode == "ab":
             _rows[0] += 1
-            if _rows[0] == _fail_metrics:
+            if _rows[0] == int(_fail_metrics) and not _short:
                 raise OSError(122, "Disk quota exceeded")  # EDQUOT
+            if _rows[0] == int(_fail_metrics):
+                return _HalfWrite(_open(file, mode, *args, **kwargs))
         return _open(file, mode, *args, **kwargs)
-    if _fail_metrics:
-        builtins.open = _quota_open
+    if int(_fail_metrics):
+        builtins.open = _failing_open
 
     _stall_save, _save, _saves = int(os.environ.get("TEST_STALL_SAVE", "0")), torch.save, [0]
     _fail_save = int(os.environ.get("TEST_FAIL_SAVE", "0"))
@@ -262,7 +279,7 @@ class Hooks:
     """The hooks (see the module's docstring) for the processes a test starts with `env`, and their marks."""
 
     def __init__(self, tmp_path, **settings):
-        """settings: pause_at=step, stall_save=n, fail_save=n, fail_metrics=n, stall_dcp=n, hang_at="rank:step",
+        """settings: pause_at=step, stall_save=n, fail_save=n, fail_metrics=n or "n:short", stall_dcp=n, hang_at="rank:step",
         step_s=seconds."""
         site, self.dir = Path(tmp_path) / "site", Path(tmp_path) / "marks"
         site.mkdir(exist_ok=True)

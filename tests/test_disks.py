@@ -1,10 +1,12 @@
 """Disks that fail a run: a full one (a real tmpfs too small for a second checkpoint), one made read-only before the
 run or in the middle of it (a real read-only bind mount: root writes into a chmod 555 folder, so chmod cannot test
-it), a quota reached by the metrics row (an injected EDQUOT), a sharded save on a full disk. Every case: one line
+it), an --out-dir removed mid-run, a quota or a full disk reached by the metrics row (injected: EDQUOT, a half
+write), a sharded save on a full disk. Every case: one line
 naming the file and the cause, every rank exits 2, the previous checkpoint whole, no temporary file, no metrics row
 for a step no checkpoint holds. The mounts need root (CI runs as root; REQUIRE_MOUNTS=1 there: green means they
 ran)."""
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,11 +69,15 @@ def test_a_read_only_out_dir_is_one_line_before_training(tmp_path, mount):
 
 
 @pytest.mark.slow
-def test_an_out_dir_made_read_only_mid_run_is_one_line_and_keeps_the_first_epoch(tmp_path, mount):
-    """Remounted read-only at step 12 (in epoch 2, under torchrun): epoch 2's save fails on rank 0, every rank
-    exits 2 with one line; epoch 1's checkpoint and row stay."""
+@pytest.mark.parametrize("change", ["read_only", "removed"])
+def test_an_out_dir_made_read_only_or_removed_mid_run_is_one_line(tmp_path, request, change):
+    """At step 12 (in epoch 2, under torchrun) --out-dir is remounted read-only, or removed: epoch 2's save fails on
+    rank 0, every rank exits 2 with one line naming the cause. Read-only: epoch 1's checkpoint and row stay;
+    removed: nothing makes the folder again."""
     out, hooks = tmp_path / "out", Hooks(tmp_path, pause_at=12)
-    mount(out, "--bind")
+    mount = request.getfixturevalue("mount") if change == "read_only" else None  # (root only)
+    if mount:
+        mount(out, "--bind")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
            "--rdzv-endpoint=127.0.0.1:0", "ddp_launch_train.py", *map(str, [*TINY, *batch(2), "--out-dir", out])]
     token = f"disks-{os.getpid()}-{time.monotonic_ns()}"
@@ -80,24 +86,31 @@ def test_an_out_dir_made_read_only_mid_run_is_one_line_and_keeps_the_first_epoch
     t = time.monotonic()
     while len(hooks.paused()) < 2 and proc.poll() is None and time.monotonic() - t < 120:
         time.sleep(0.1)
-    mount(out, "-o", "remount,bind,ro")
+    mount(out, "-o", "remount,bind,ro") if mount else shutil.rmtree(out)
     hooks.go("pause")
     p = subprocess.CompletedProcess(cmd, None, *communicate(proc, 120, token, spare_launcher=True))
     p.returncode = proc.returncode
-    assert one_error_line(p, 2, 2).startswith(f"error: could not save {out / 'last.pt'}: Read-only file system; ")
-    assert checkpoint(str(out))["epoch"] == 1 and [r["epoch"] for r in metrics(str(out))] == [1]
-    assert sorted(os.listdir(out)) == ["last.pt", "metrics.jsonl"]
+    cause = "Read-only file system; " if mount else "No such file or directory. "
+    assert one_error_line(p, 2, 2).startswith(f"error: could not save {out / 'last.pt'}: {cause}")
+    if mount:
+        assert checkpoint(str(out))["epoch"] == 1 and [r["epoch"] for r in metrics(str(out))] == [1]
+        assert sorted(os.listdir(out)) == ["last.pt", "metrics.jsonl"]
+    else:
+        assert not out.exists()
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_a_metrics_row_over_the_quota_is_one_line_after_its_checkpoint(tmp_path, launcher):
-    """Epoch 2's row fails (EDQUOT, injected: tests/hooks.py TEST_FAIL_METRICS) after its checkpoint was saved: one
-    line saying so, every rank exits 2, no half row."""
-    out, nproc, hooks = tmp_path / "out", 2 if launcher == "torchrun" else None, Hooks(tmp_path, fail_metrics=2)
+@pytest.mark.parametrize("launcher, how", [("python", "quota"), ("torchrun", "quota"), ("torchrun", "short")])
+def test_a_metrics_row_that_cannot_be_written_is_one_line_after_its_checkpoint(tmp_path, launcher, how):
+    """Epoch 2's row fails after its checkpoint was saved (injected, tests/hooks.py TEST_FAIL_METRICS): over the
+    quota (EDQUOT), or the disk full mid-row (half of it written). One line saying so, every rank exits 2, and no
+    half row: metrics.jsonl reads as epoch 1's row alone."""
+    out, nproc = tmp_path / "out", 2 if launcher == "torchrun" else None
+    hooks = Hooks(tmp_path, fail_metrics="2" if how == "quota" else "2:short")
     p = run("ddp_launch_train.py", *TINY, *batch(nproc), "--out-dir", out, launcher=launcher, nproc=nproc,
             env=hooks.env, check=False)
-    assert one_error_line(p, 2, nproc) == f"error: could not write {out / 'metrics.jsonl'}: Disk quota exceeded; " \
-        "the checkpoint of step 16 was saved"
+    cause = "Disk quota exceeded" if how == "quota" else "No space left on device"
+    assert one_error_line(p, 2, nproc) == f"error: could not write {out / 'metrics.jsonl'}: {cause}; the " \
+        "checkpoint of step 16 was saved"
     assert checkpoint(str(out))["epoch"] == 2 and [r["epoch"] for r in metrics(str(out))] == [1]
 
 
