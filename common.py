@@ -6,9 +6,12 @@ import contextlib
 import datetime
 import errno
 import importlib
+import inspect
 import json
 import math
+import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -16,6 +19,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -286,12 +291,29 @@ def make_loader(ds, batches, run):
     is not drawn from the one dropout uses, so a resumed run draws what an unbroken one did."""
     if not isinstance(ds, TensorDataset):
         return DataLoader(ds, batch_sampler=batches, num_workers=run.args.workers, generator=torch.Generator(),
-                          pin_memory=run.device.type in ("cuda", "xpu"), collate_fn=collate)
+                          pin_memory=run.device.type in ("cuda", "xpu"), collate_fn=collate,
+                          multiprocessing_context=worker_start(ds) if run.args.workers else None)
     if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:
         ds.tensors = tuple(t.to(run.device) for t in ds.tensors)  # copied once, not every step
     # the epoch's indices copied there at once: a list, made a tensor at each step, would wait for the device there
     index = torch.tensor([i for b in batches for i in b], dtype=torch.long, device=ds.tensors[0].device)
     return DataLoader(ds, sampler=index.split([len(b) for b in batches]), batch_size=None, generator=torch.Generator())
+
+
+def worker_start(ds):
+    """Workers started by a fork server, as Python 3.14 does by default, not forked from this process: a fork while
+    another thread (gloo's, tqdm's) holds one of Python's locks leaves the worker deadlocked at its start, and the
+    run with it (python/cpython#112275: here, with Python 3.11.7, twice in about 750 worker starts). The server
+    starts once, with what this script imported: a worker, which runs the script's top lines again, imports nothing
+    and starts in milliseconds. Windows: spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    context = multiprocessing.get_context("forkserver")
+    warnings.filterwarnings("ignore", "Got pickle error when attempting to start a worker")  # run() says it, once
+    imported = {v.__name__ if inspect.ismodule(v) else getattr(v, "__module__", None)
+                for v in [ds, collate, *vars(sys.modules["__main__"]).values()]}
+    context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str) and not m.startswith("_")))
+    return context
 
 
 def collate(samples):
@@ -657,6 +679,13 @@ def run(main, parse_args):
             raise
         else:
             code = 128 + received
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        if not any("multiprocessing" in f.filename and "popen_" in f.filename
+                   for f in traceback.extract_tb(e.__traceback__)):
+            raise  # not from starting a DataLoader worker (worker_start), which gets the Dataset pickled
+        code = say(UsageError(f"your Dataset cannot be sent to its --workers processes ({e}): keep lambdas, open "
+                              "files and the like out of what it holds (open them in __getitem__), or give --workers 0"),
+                   rank)
     except UsageError as e:
         code = say(e, rank)
     finally:

@@ -157,6 +157,41 @@ def test_the_epoch_time_holds_the_waits_for_data_and_the_steps(tmp_path):
     assert row["samples_per_s"] == pytest.approx(29 * 8 / row["epoch_time_s"], rel=1e-6), row
 
 
+# the copier's Dataset writes down, in each worker, whether the process that started that worker is the trainer
+PARENTS = ("import os\n" + MY_PROJECT).replace(
+    "self.augment = split", "self.trainer = os.getpid()\n        self.augment = split").replace(
+    "        x = self.x[i]\n", "        x = self.x[i]\n        with open(os.environ['PARENTS_FILE'], 'a') as f:\n"
+                             "            f.write(f'{os.getppid() == self.trainer}\\n')\n")
+
+
+def test_dataloader_workers_are_not_forked_from_the_training_process(tmp_path):
+    """A worker forked from a process that runs other threads (gloo's, tqdm's) can deadlock at its start, and the
+    run with it (python/cpython#112275). The workers start from a fork server instead: none is the trainer's child."""
+    parents = tmp_path / "parents"
+    run(adapted_copy(tmp_path, PARENTS), "--epochs", 1, "--batch-size", 16, "--max-steps", 4, "--workers", 2,
+        "--out-dir", tmp_path / "out", env={"PARENTS_FILE": str(parents)})
+    seen = parents.read_text().split()
+    assert len(seen) >= 4 * 16 and set(seen) == {"False"}, seen[:8]
+
+
+# a Dataset holding a lambda: fine in this process, but not picklable, so not something a worker can be sent
+A_LAMBDA = MY_PROJECT.replace("self.augment = split", "self.flip = lambda x: x.flip(-1)\n        self.augment = split"
+                              ).replace("x = x.flip(-1)", "x = self.flip(x)")
+
+
+@pytest.mark.slow
+def test_a_dataset_the_workers_cannot_be_sent_is_one_line_printed_once(tmp_path):
+    """--workers 2 under torchrun: one `error:` line naming what would not pickle and the way out, exit 2 on every
+    rank; with --workers 0 the same Dataset trains."""
+    script = adapted_copy(tmp_path, A_LAMBDA)
+    args = ["--epochs", 1, "--batch-size", 16, "--max-steps", 2, "--out-dir", tmp_path / "out"]
+    p = run(script, *args, launcher="torchrun", nproc=2, check=False)
+    line = one_error_line(p, 2, nproc=2)
+    assert "your Dataset cannot be sent to its --workers processes" in line and "lambda" in line, line
+    assert line.endswith("or give --workers 0") and "Warning" not in p.stderr, p.stderr
+    run(script, *args, "--workers", 0, launcher="torchrun", nproc=2)
+
+
 # samples a Dataset should not return: a dict, three values, and one input of another size among 600
 NOT_SAMPLES = {
     "a_dict": ("return x, int(self.y[i])", "return {'image': x, 'label': int(self.y[i])}",
