@@ -303,7 +303,7 @@ def make_loader(ds, batches, run):
 def worker_start(ds):
     """Workers started by a fork server, as Python 3.14 does by default, not forked from this process: a fork while
     another thread (gloo's, tqdm's) holds one of Python's locks leaves the worker deadlocked at its start, and the
-    run with it (python/cpython#112275: here, with Python 3.11.7, twice in about 750 worker starts). The server
+    run with it (python/cpython#112275: here, Python 3.11.7, 3 hangs in about 1,200 worker starts). The server
     starts once, with what this script imported: a worker, which runs the script's top lines again, imports nothing
     and starts in milliseconds. Windows: spawn."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
