@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import datetime
 import errno
+import gc
 import importlib
 import inspect
 import json
@@ -292,7 +293,7 @@ def make_loader(ds, batches, run):
     if not isinstance(ds, TensorDataset):
         return DataLoader(ds, batch_sampler=batches, num_workers=run.args.workers, generator=torch.Generator(),
                           pin_memory=run.device.type in ("cuda", "xpu"), collate_fn=collate,
-                          multiprocessing_context=worker_start(ds) if run.args.workers else None)
+                          **(worker_start(ds) if run.args.workers else {}))
     if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:
         ds.tensors = tuple(t.to(run.device) for t in ds.tensors)  # copied once, not every step
     # the epoch's indices copied there at once: a list, made a tensor at each step, would wait for the device there
@@ -301,19 +302,29 @@ def make_loader(ds, batches, run):
 
 
 def worker_start(ds):
-    """Workers started by a fork server, as Python 3.14 does by default, not forked from this process: a fork while
-    another thread (gloo's, tqdm's) holds one of Python's locks leaves the worker deadlocked at its start, and the
-    run with it (python/cpython#112275: here, Python 3.11.7, 3 hangs in about 1,200 worker starts). The server
-    starts once, with what this script imported: a worker, which runs the script's top lines again, imports nothing
-    and starts in milliseconds. Windows: spawn."""
+    """The DataLoader's workers started by a fork server, as Python 3.14 does by default, not forked from this
+    process: a fork while another thread (gloo's, tqdm's) holds one of Python's locks leaves the worker deadlocked at
+    its start, and the run with it (python/cpython#112275: here, Python 3.11.7, 3 hangs in about 1,200 worker
+    starts). The server starts once, with what this script imported: a worker, which runs the script's top lines
+    again, imports nothing and starts in milliseconds. Windows: spawn, the only way there."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return None
+        return {}
     context = multiprocessing.get_context("forkserver")
     warnings.filterwarnings("ignore", "Got pickle error when attempting to start a worker")  # run() says it, once
     imported = {v.__name__ if inspect.ismodule(v) else getattr(v, "__module__", None)
                 for v in [ds, collate, *vars(sys.modules["__main__"]).values()]}
     context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str) and not m.startswith("_")))
-    return context
+    return dict(multiprocessing_context=context, worker_init_fn=leave_server)
+
+
+def leave_server(worker_id):
+    """In each worker: the server runs while any process holds its end of a pipe, its workers too, and a worker runs
+    while its parent, the server, does. Closed here, the server ends with this process even when it is killed
+    outright (the OOM killer), and each worker within 5 s of the server (torch's check of its parent)."""
+    from multiprocessing import forkserver
+    if getattr(forkserver._forkserver, "_forkserver_alive_fd", None) is not None:  # a private name: Python 3.10-3.14
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
 
 
 def collate(samples):
@@ -684,8 +695,7 @@ def run(main, parse_args):
                    for f in traceback.extract_tb(e.__traceback__)):
             raise  # not from starting a DataLoader worker (worker_start), which gets the Dataset pickled
         code = say(UsageError(f"your Dataset cannot be sent to its --workers processes ({e}): keep lambdas, open "
-                              "files and the like out of what it holds (open them in __getitem__), or give --workers 0"),
-                   rank)
+                              "files and the like out of it (open them in __getitem__), or give --workers 0"), rank)
     except UsageError as e:
         code = say(e, rank)
     finally:
@@ -694,6 +704,7 @@ def run(main, parse_args):
     # every way out, a finished run's too, skips the interpreter's teardown, where gloo's threads, still freeing what
     # the collectives used, now and then hang or abort the process (measured: docs/failures.md). Every file is closed
     # by now. Upstream: pytorch/pytorch#190489
+    gc.collect()  # a DataLoader left behind by the way out stops its workers, frees its queues (else: a warning)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
 

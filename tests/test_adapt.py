@@ -3,10 +3,13 @@ with the lines the README's "Adapting" section shows, trained under torchrun wit
 import os
 import re
 import shutil
+import signal
+import sys
+import time
 
 import pytest
 
-from conftest import ROOT, checkpoint, metrics, run, worker_exit_codes
+from conftest import ROOT, checkpoint, metrics, run, started_by, worker_exit_codes
 from test_failures import one_error_line
 
 # the copier's own code: a map-style Dataset of (image, label) pairs with its own random augmentation, and a model
@@ -174,6 +177,33 @@ def test_dataloader_workers_are_not_forked_from_the_training_process(tmp_path):
     assert len(seen) >= 4 * 16 and set(seen) == {"False"}, seen[:8]
 
 
+@pytest.mark.slow
+def test_a_trainer_killed_outright_leaves_no_worker_behind(tmp_path):
+    """SIGKILL (the OOM killer's) to a process paused at step 3 with its 2 DataLoader workers alive: the fork server
+    they started from ends with it, and the workers with the server, within seconds; nothing of the run is left
+    holding memory or its output. (Without leave_server they would all wait for each other forever.)"""
+    from hooks import Hooks, Proc, clean_env
+    hooks, token = Hooks(tmp_path, pause_at=3), f"killed-{os.getpid()}-{time.monotonic_ns()}"
+    cmd = [sys.executable, adapted_copy(tmp_path, MY_PROJECT), "--epochs", 1, "--batch-size", 16, "--workers", 2,
+           "--out-dir", tmp_path / "out"]
+    proc = Proc(cmd, tmp_path / "log", env=clean_env(**hooks.env, TEST_RUN=token), cwd=tmp_path)
+
+    def left():  # the processes of this run, the trainer's zombie aside
+        return [pid for pid in started_by(token) if pid != proc.p.pid]
+    try:
+        proc.until(lambda: hooks.paused(), "the pause at step 3")
+        assert len(left()) >= 3, left()  # the server and its 2 workers
+        os.kill(proc.p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left() == [], f"still running 20 s after the trainer was killed: {left()}"
+    finally:
+        proc.kill()
+        for pid in left():
+            os.kill(pid, signal.SIGKILL)
+
+
 # a Dataset holding a lambda: fine in this process, but not picklable, so not something a worker can be sent
 A_LAMBDA = MY_PROJECT.replace("self.augment = split", "self.flip = lambda x: x.flip(-1)\n        self.augment = split"
                               ).replace("x = x.flip(-1)", "x = self.flip(x)")
@@ -221,3 +251,4 @@ def test_samples_that_cannot_train_are_one_line_printed_once(tmp_path, case, how
         assert len(errors) == 1 and line in errors[0], p.stderr[-3000:]
         assert p.returncode == 1 and list(worker_exit_codes(p.stderr.split("Root Cause")[-1]).values()) == [2]
     assert not os.path.exists(tmp_path / "out" / "last.pt")
+    assert "Warning" not in p.stderr, p.stderr[-3000:]  # e.g. the resource tracker's, of the workers' queues
