@@ -704,7 +704,8 @@ def run(main, parse_args):
     # every way out, a finished run's too, skips the interpreter's teardown, where gloo's threads, still freeing what
     # the collectives used, now and then hang or abort the process (measured: docs/failures.md). Every file is closed
     # by now. Upstream: pytorch/pytorch#190489
-    gc.collect()  # a DataLoader left behind by the way out stops its workers, frees its queues (else: a warning)
+    if code is not None:  # an error or a stop: a DataLoader left mid-epoch stops its workers, frees its queues
+        gc.collect()
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
 
