@@ -322,7 +322,7 @@ def leave_server(worker_id):
     while its parent, the server, does. Closed here, the server ends with this process even when it is killed
     outright (the OOM killer), and each worker within 5 s of the server (torch's check of its parent)."""
     from multiprocessing import forkserver
-    if getattr(forkserver._forkserver, "_forkserver_alive_fd", None) is not None:  # a private name: Python 3.10-3.14
+    if getattr(forkserver._forkserver, "_forkserver_alive_fd", None) is not None:  # private: run here on 3.11 only
         os.close(forkserver._forkserver._forkserver_alive_fd)
         forkserver._forkserver._forkserver_alive_fd = None
 
