@@ -1,13 +1,14 @@
-"""DistributedDataParallel with native mixed precision (torch.autocast + torch.amp.GradScaler), replacing NVIDIA Apex.
+"""DDP with native mixed precision (torch.autocast + torch.amp.GradScaler), replacing NVIDIA Apex.
 
     torchrun --nproc_per_node=4 ddp_amp_train.py                        # bf16 (default)
     torchrun --nproc_per_node=4 ddp_amp_train.py --precision fp16       # fp16 with loss scaling
     python ddp_amp_train.py --precision fp32                            # one process, no autocast
 
-bf16 keeps fp32's exponent range, so it needs no loss scaling: the default on Ampere+ GPUs and on CPU. fp16 (older
-GPUs) underflows small gradients unless the loss is scaled: GradScaler scales it, skips steps whose gradients
-overflowed, and adapts the scale, which last.pt keeps (as Apex's amp.state_dict() did). Launched like
-ddp_launch_train.py (torchrun, srun, or one process); each [amp] comment marks a difference from it.
+bf16 keeps fp32's exponent range, so it needs no loss scaling: the default on Ampere+ GPUs and on
+CPU. fp16 (older GPUs) underflows small gradients unless the loss is scaled: GradScaler scales it,
+skips steps whose gradients overflowed, and adapts the scale, which last.pt keeps (as Apex's
+amp.state_dict() did). Launched like ddp_launch_train.py (torchrun, srun, or one process); each
+[amp] comment marks a difference from it.
 """
 import argparse
 import contextlib
@@ -19,8 +20,8 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -29,111 +30,131 @@ import common
 
 
 def setup_distributed(args):
-    """This process's rank and device, then the process group, which every rank joins before anything else. The
-    store it meets on is ours too: a rank that stops answering is named through it (common.hangs_named)."""
-    # from the launcher's environment (torchrun, srun, mpirun, a hand launch), never from a --local-rank flag
+    """This process's rank and device, then the process group, joined by every rank before all else.
+    Its store is ours too: a rank that stops answering is named through it (common.hangs_named)."""
+    # from the launcher's environment (torchrun, srun, mpirun, by hand), never a --local-rank flag
     rank, world_size, local_rank, local_world_size, launcher = common.launcher_env()
-    backend = common.pick_backend(args, local_world_size, launcher)  # the device's: nccl on GPUs, gloo on the CPU
+    backend = common.pick_backend(args)  # the device's: nccl on GPUs, gloo on the CPU
     if args.sync_bn and args.device == "cpu":
-        raise common.UsageError("--sync-bn needs a GPU: SyncBatchNorm's forward accepts no CPU tensors")
-    if args.precision == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():  # [amp] pre-Ampere
+        raise common.UsageError("--sync-bn needs a GPU: "
+                                "SyncBatchNorm's forward accepts no CPU tensors")
+    if args.precision == "bf16" and args.device == "cuda" and \
+            not torch.cuda.is_bf16_supported():  # [amp] pre-Ampere
         raise common.UsageError("this GPU has no bf16: use --precision fp16")
-    device = common.local_device(args.device, local_rank)  # and made current: NCCL and friends use it
+    device = common.local_device(args.device, local_rank)  # made current: NCCL and friends use it
     common.set_threads_and_math(local_world_size, args.deterministic)
-    timeout, env = datetime.timedelta(minutes=10), os.environ  # start-up: data, downloads; then --step-timeout
+    # 10 minutes for the start-up (data, downloads); then --step-timeout
+    timeout, env = datetime.timedelta(minutes=10), os.environ
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: its agent holds the store
-    if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # restarts: a fresh key prefix per attempt
-        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(rank, world_size, timeout)
-    elif world_size > 1:  # (a lone process ignores a MASTER_ADDR left in the shell: it needs no network)
+    # restarts (torchrun --max-restarts): a fresh key prefix per attempt
+    if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(
+            rank, world_size, timeout)
+    elif world_size > 1:  # (a lone process ignores a MASTER_ADDR in the shell: it needs no network)
         if env["MASTER_PORT"] == "0":
-            raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): give a free port, or --standalone")
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0 and not agent,
-                              timeout=timeout, use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
+            raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
+                                    "give a free port, or --standalone")
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                              rank == 0 and not agent, timeout=timeout,
+                              use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
     else:  # a lone process needs no network
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
-    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                                 store=store if world_size > 1 else None, launcher=launcher or "python")
+    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
+                                 device=device, store=store if world_size > 1 else None,
+                                 launcher=launcher or "python")
 
 
 def build_data(run):
-    """Every rank draws the same global order and trains on its own part of each global batch (a new order every
-    epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank, once."""
+    """Every rank draws the same global order and trains on its own part of each global batch (a new
+    order every epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank,
+    once."""
     args = run.args
-    # rank 0 downloads and builds first, alone, so that N processes never write the same files at once; then the others
-    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), run.rank) or \
-        common.load_data(args)
-    # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
-    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True, seed=args.seed,
-                                     drop_last=True)
+    # rank 0 downloads and builds first, alone, so that N processes never write the same files at
+    # once; then the others
+    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True),
+                                             run.rank) or common.load_data(args)
+    # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a
+    # batch that never comes
+    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
     run.steps_per_epoch = len(run.sampler) // (args.batch_size * args.grad_accum)
     if run.steps_per_epoch == 0:
-        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
-                                f"({args.batch_size * args.grad_accum * run.world_size})")
-    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size), args.batch_size, False))
+        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global "
+                                f"batch ({args.batch_size * args.grad_accum * run.world_size})")
+    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size),
+                                    args.batch_size, False))
     run.val_loader = common.make_loader(val_set, val_batches, run)  # no padding duplicates
 
 
 def build_model(run):
-    """The same model on every rank, then wrapped: DDP broadcasts rank 0's weights (read there only, by --weights)."""
+    """The same model on every rank, then wrapped: DDP broadcasts rank 0's weights (read there only,
+    by --weights)."""
     args = run.args
     torch.manual_seed(args.seed)
-    run.raw_model = common.make_model(args.model, run.train_set)
-    if args.pretrained or args.weights or args.freeze_backbone:
-        run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
-    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    run.raw_model = common.make_model(args, run.train_set)
+    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
+                     else torch.preserve_format)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         run.raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(run.raw_model)
-    run.model = DDP(run.raw_model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True,  # the gradients are views into its buckets: no copy a step
-                    find_unused_parameters=args.find_unused_parameters)  # a model that skips some: slower
+    run.model = DDP(run.raw_model,
+                    device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True,  # gradients are views into its buckets: no copy
+                    find_unused_parameters=args.find_unused_parameters)  # if some go unused: slower
     if args.compile:
         run.model = torch.compile(run.model)
     run.optimizer, run.scheduler = common.make_optimizer(args, run.raw_model, run.steps_per_epoch)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]  # [amp]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
+             "fp32": torch.float32}[args.precision]  # [amp]
     run.autocast = torch.autocast(run.device.type, dtype, enabled=args.precision != "fp32")  # [amp]
-    run.scaler = torch.amp.GradScaler(run.device.type, enabled=args.precision == "fp16")  # [amp] only fp16 needs it
+    run.scaler = torch.amp.GradScaler(run.device.type,
+                                      enabled=args.precision == "fp16")  # [amp] only fp16 needs it
 
 
 def resume(run):
-    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed). Returns the
-    progress it saved, or None for a fresh start."""
+    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
+    Returns the progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.find_checkpoint(run), run.rank)
-    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's broadcast fails on it
-    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])} if ckpt else None]
+    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
+    # broadcast fails on it
+    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])}
+            if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     if meta[0]:
-        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
+        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model
+        # there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
         whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
-        set_optimizer_state_dict(run.raw_model, run.optimizer, whole or (ckpt["optimizer"] if run.rank == 0 else {}),
+        set_optimizer_state_dict(run.raw_model, run.optimizer,
+                                 whole or (ckpt["optimizer"] if run.rank == 0 else {}),
                                  options=StateDictOptions() if whole else options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
-        # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
+        # dropout etc. draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run)
-        if meta[0].get("scaler"):  # [amp] another script's or precision's checkpoint has none: a fresh scale
+        if meta[0].get("scaler"):  # [amp] none from another script or precision: a fresh scale
             run.scaler.load_state_dict(meta[0]["scaler"])
     return meta[0]
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
-    norm before clipping, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
+    the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-        # no_sync: accumulate locally and all-reduce only once, with the last micro-batch of the step
+        # no_sync: accumulate locally; all-reduce only once, with the step's last micro-batch
         with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-            with run.autocast:  # [amp] matmuls and convolutions in 16 bits; reductions (softmax, losses) in fp32
-                loss = F.cross_entropy(common.logits(run.model(xm)), ym) / accum
-            run.scaler.scale(loss).backward()  # [amp] fp16: scaled, so that small gradients do not flush to 0
+            with run.autocast:  # [amp] matmuls/convs in 16 bits; reductions (softmax, loss) in fp32
+                loss = F.cross_entropy(run.model(xm), ym) / accum
+            run.scaler.scale(loss).backward()  # [amp] scaled: small fp16 gradients don't flush to 0
         step_loss += loss.detach()
     if run.args.clip_grad:  # [amp]
-        run.scaler.unscale_(run.optimizer)  # [amp] the true gradients are clipped, not the fp16-scaled ones
-    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) if run.args.clip_grad \
-        else None
-    run.scaler.step(run.optimizer)  # [amp] unscales; skips the step if a gradient is inf/NaN (fp16 overflow)
+        run.scaler.unscale_(run.optimizer)  # [amp] true gradients are clipped, not the scaled ones
+    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) \
+        if run.args.clip_grad else None
+    run.scaler.step(run.optimizer)  # [amp] unscales; no step on an inf/NaN gradient (fp16 overflow)
     run.scaler.update()  # [amp]
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -141,25 +162,28 @@ def train_step(run, x, y):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
-    loss over its steps and the ranks."""
+    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
+    returns the mean loss over its steps and the ranks."""
     args, progress = run.args, run.progress
-    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
+    # epoch 0's order
     run.sampler.set_epoch(epoch)
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
+    # resumed mid-epoch: skip the batches already done
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
         x, y = common.to_device(run, run.train_set, x, y)
-        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
+        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
+        # (common.Progress.check)
         stopping = progress.step_done(*train_step(run, x, y))
         if progress.last:  # the epoch's end, or --max-steps: the caller saves
             break
         if progress.save_due or stopping:
             save(run)
-        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+        if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
             raise common.stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
@@ -172,13 +196,13 @@ def mean_over_ranks(t):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss and accuracy over the whole validation set: each rank sums over its shard, then one all-reduce."""
+    """Loss and accuracy on the whole validation set: each rank sums its shard, then all-reduce."""
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
         with run.autocast:  # [amp] evaluated as trained
-            out = common.logits(run.raw_model(x))
+            out = run.raw_model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
@@ -188,68 +212,81 @@ def evaluate(run):
 
 
 def save(run):
-    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole training state to
-    last.pt: plain names, whole tensors, every rank's random generators. It loads in any script, at any number of
-    processes, with or without a GPU, and into a plain model with weights_only=True."""
+    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole
+    training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
+    in any script, at any number of processes, with or without a GPU, and into a plain model with
+    weights_only=True."""
     progress = run.progress
     sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(common.rng_state(run.device), rngs)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
-    state = {"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-             **progress.state(sums), "rng": rngs, "args": vars(run.args), "world_size": run.world_size,
+    state = {"model": model_state, "optimizer": optim_state,
+             "scheduler": run.scheduler.state_dict(), **progress.state(sums), "rng": rngs,
+             "args": vars(run.args), "world_size": run.world_size,
              "scaler": run.scaler.state_dict()}  # [amp] the loss scale
-    # written by rank 0; if it fails (a full disk), every rank stops with its line, none waits for rank 0
-    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")), run.rank)
+    # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it
+    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")),
+                    run.rank)
 
 
 def main(args):
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
-    run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    run.out_dir = args.out_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(__file__))[0])
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     build_data(run)
     build_model(run)
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
-    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))  # a resume may find the run done
-    if progress.step >= end:
+    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
+    if progress.step >= end:  # a resume may find the run done
         if master:
-            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, --max-steps {args.max_steps}): "
-                  "nothing to train")
+            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
+                  f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
         common.start_output(run)
-        print(f"ddp {args.precision}: {run.world_size} processes, backend {dist.get_backend()}, device "  # [amp]
-              f"{run.device.type}, global batch {run.global_batch}, started by {run.launcher}"
+        print(f"ddp {args.precision}: {run.world_size} processes, "  # [amp]
+              f"backend {dist.get_backend()}, device {run.device.type}, global batch "
+              f"{run.global_batch}, started by {run.launcher}"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
-            # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
+            # after training, ranks hold different BatchNorm running statistics: give everyone
+            # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
             t1 = time.time()
             val, eval_time_s = evaluate(run), time.time() - t1
             save(run)  # first: no metrics row for a step no checkpoint holds
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
-                   run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: every rank stops
+            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
+                   "world_size": run.world_size, "eval_time_s": eval_time_s,
+                   "grad_norm": args.clip_grad and grad_norm}
+            # a failed write: every rank stops
+            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
             if progress.step == args.max_steps:
                 break
 
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"], help="default: the device's (torch's mapping)")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch")
-    parser.add_argument("--find-unused-parameters", action="store_true", help="a model that does not use every "
-                        "parameter in every step (else DDP fails at step 2: 'Expected to have finished reduction')")
-    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
-    # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
+    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"],
+                        help="default: the device's (torch's mapping)")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="SyncBatchNorm: statistics over the global batch")
+    parser.add_argument("--find-unused-parameters", action="store_true",
+                        help="a model that does not use every parameter in every step "
+                             "(else DDP fails at step 2: 'Expected to have finished reduction')")
+    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N
+    # before the script's own arguments: accepted, not listed, and ignored; the rank comes from
+    # LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],  # [amp]
-                        help="bf16 (no loss scaling; Ampere+ GPUs, CPU), fp16 (GradScaler; older GPUs) or fp32")
+                        help="bf16 (no loss scaling; Ampere+ GPUs, CPU), "
+                             "fp16 (GradScaler; older GPUs) or fp32")
     common.run(main, parser.parse_args)

@@ -1,10 +1,11 @@
-"""DistributedDataParallel with torch.multiprocessing.spawn: one command starts every process of this machine.
+"""DDP with torch.multiprocessing.spawn: one command starts every process of this machine.
 
-    python ddp_spawn_train.py                # one process per GPU, or 2 CPU processes where there is no GPU
+    python ddp_spawn_train.py  # one process per GPU, or 2 CPU processes where there is no GPU
     python ddp_spawn_train.py --nprocs 4
 
-The parent checks the flags, picks a free port, starts --nprocs children and waits. Several machines: use
-ddp_launch_train.py (torchrun, srun), which this script copies but for the lines marked [spawn].
+The parent checks the flags, picks a free port, starts --nprocs children and waits. Several
+machines: use ddp_launch_train.py (torchrun, srun), which this script copies but for the lines
+marked [spawn].
 """
 import contextlib
 import datetime
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -29,87 +30,100 @@ import common
 
 
 def setup_distributed(args):  # [spawn]
-    """This child's rank (RANK: its number among the children) and device, then the process group, which every rank
-    joins first. Rank 0 holds the store on MASTER_ADDR/PORT: a rank that stops answering is named through it."""
+    """This child's rank (RANK: its number among the children) and device, then the process group,
+    which every rank joins first. Rank 0 holds the store on MASTER_ADDR/PORT: a rank that stops
+    answering is named through it."""
     rank, world_size, env = int(os.environ["RANK"]), args.nprocs, os.environ
     device = common.local_device(args.device, rank)  # and made current: NCCL and friends use it
     common.set_threads_and_math(world_size, args.deterministic)
     timeout = datetime.timedelta(minutes=10)  # start-up: data, downloads; then --step-timeout
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0, timeout=timeout,
-                          use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
-    dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=rank, device=device,
-                                 store=store if world_size > 1 else None, launcher="mp.spawn")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0,
+                          timeout=timeout, use_libuv=os.name != "nt")  # (Windows torch: no libuv)
+    dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=rank,
+                                 device=device, store=store if world_size > 1 else None,
+                                 launcher="mp.spawn")
 
 
 def build_data(run):
-    """Every rank draws the same global order and trains on its own part of each global batch (a new order every
-    epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank, once."""
+    """Every rank draws the same global order and trains on its own part of each global batch (a new
+    order every epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank,
+    once."""
     args = run.args
-    # rank 0 downloads and builds first, alone, so that N processes never write the same files at once; then the others
-    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), run.rank) or \
-        common.load_data(args)
-    # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
-    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True, seed=args.seed,
-                                     drop_last=True)
+    # rank 0 downloads and builds first, alone, so that N processes never write the same files at
+    # once; then the others
+    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True),
+                                             run.rank) or common.load_data(args)
+    # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a
+    # batch that never comes
+    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
     run.steps_per_epoch = len(run.sampler) // (args.batch_size * args.grad_accum)
     if run.steps_per_epoch == 0:
-        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
-                                f"({args.batch_size * args.grad_accum * run.world_size})")
-    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size), args.batch_size, False))
+        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global "
+                                f"batch ({args.batch_size * args.grad_accum * run.world_size})")
+    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size),
+                                    args.batch_size, False))
     run.val_loader = common.make_loader(val_set, val_batches, run)  # no padding duplicates
 
 
 def build_model(run):
-    """The same model on every rank, then wrapped: DDP broadcasts rank 0's weights (read there only, by --weights)."""
+    """The same model on every rank, then wrapped: DDP broadcasts rank 0's weights (read there only,
+    by --weights)."""
     args = run.args
     torch.manual_seed(args.seed)
-    run.raw_model = common.make_model(args.model, run.train_set)
-    if args.pretrained or args.weights or args.freeze_backbone:
-        run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
-    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    run.raw_model = common.make_model(args, run.train_set)
+    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
+                     else torch.preserve_format)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
         run.raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(run.raw_model)
-    run.model = DDP(run.raw_model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True,  # the gradients are views into its buckets: no copy a step
-                    find_unused_parameters=args.find_unused_parameters)  # a model that skips some: slower
+    run.model = DDP(run.raw_model,
+                    device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True,  # gradients are views into its buckets: no copy
+                    find_unused_parameters=args.find_unused_parameters)  # if some go unused: slower
     if args.compile:
         run.model = torch.compile(run.model)
     run.optimizer, run.scheduler = common.make_optimizer(args, run.raw_model, run.steps_per_epoch)
 
 
 def resume(run):
-    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed). Returns the
-    progress it saved, or None for a fresh start."""
+    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
+    Returns the progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.find_checkpoint(run), run.rank)
-    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's broadcast fails on it
-    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])} if ckpt else None]
+    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
+    # broadcast fails on it
+    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])}
+            if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
     if meta[0]:
-        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
+        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model
+        # there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
         whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
-        set_optimizer_state_dict(run.raw_model, run.optimizer, whole or (ckpt["optimizer"] if run.rank == 0 else {}),
+        set_optimizer_state_dict(run.raw_model, run.optimizer,
+                                 whole or (ckpt["optimizer"] if run.rank == 0 else {}),
                                  options=StateDictOptions() if whole else options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
-        # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
+        # dropout etc. draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run)
     return meta[0]
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
-    norm before clipping, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
+    the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-        # no_sync: accumulate locally and all-reduce only once, with the last micro-batch of the step
+        # no_sync: accumulate locally; all-reduce only once, with the step's last micro-batch
         with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-            loss = F.cross_entropy(common.logits(run.model(xm)), ym) / accum
-            loss.backward()  # DDP averages the gradients over the ranks here, overlapped with the backward pass
+            loss = F.cross_entropy(run.model(xm), ym) / accum
+            loss.backward()  # DDP averages the gradients over ranks here, overlapping the backward
         step_loss += loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) if run.args.clip_grad \
-        else None
+    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) \
+        if run.args.clip_grad else None
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -117,25 +131,28 @@ def train_step(run, x, y):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
-    loss over its steps and the ranks."""
+    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
+    returns the mean loss over its steps and the ranks."""
     args, progress = run.args, run.progress
-    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
+    # epoch 0's order
     run.sampler.set_epoch(epoch)
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
+    # resumed mid-epoch: skip the batches already done
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
         x, y = common.to_device(run, run.train_set, x, y)
-        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
+        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
+        # (common.Progress.check)
         stopping = progress.step_done(*train_step(run, x, y))
         if progress.last:  # the epoch's end, or --max-steps: the caller saves
             break
         if progress.save_due or stopping:
             save(run)
-        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+        if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
             raise common.stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
@@ -148,12 +165,12 @@ def mean_over_ranks(t):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss and accuracy over the whole validation set: each rank sums over its shard, then one all-reduce."""
+    """Loss and accuracy on the whole validation set: each rank sums its shard, then all-reduce."""
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
-        out = common.logits(run.raw_model(x))
+        out = run.raw_model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
@@ -163,64 +180,73 @@ def evaluate(run):
 
 
 def save(run):
-    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole training state to
-    last.pt: plain names, whole tensors, every rank's random generators. It loads in any script, at any number of
-    processes, with or without a GPU, and into a plain model with weights_only=True."""
+    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole
+    training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
+    in any script, at any number of processes, with or without a GPU, and into a plain model with
+    weights_only=True."""
     progress = run.progress
     sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(common.rng_state(run.device), rngs)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
-    state = {"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-             **progress.state(sums), "rng": rngs, "args": vars(run.args), "world_size": run.world_size}
-    # written by rank 0; if it fails (a full disk), every rank stops with its line, none waits for rank 0
-    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")), run.rank)
+    state = {"model": model_state, "optimizer": optim_state,
+             "scheduler": run.scheduler.state_dict(), **progress.state(sums), "rng": rngs,
+             "args": vars(run.args), "world_size": run.world_size}
+    # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it
+    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")),
+                    run.rank)
 
 
 def main(args):
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
-    run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    run.out_dir = args.out_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(__file__))[0])
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     build_data(run)
     build_model(run)
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
-    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))  # a resume may find the run done
-    if progress.step >= end:
+    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
+    if progress.step >= end:  # a resume may find the run done
         if master:
-            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, --max-steps {args.max_steps}): "
-                  "nothing to train")
+            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
+                  f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
         common.start_output(run)
-        print(f"ddp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, global "
-              f"batch {run.global_batch}, started by {run.launcher}"
+        print(f"ddp: {run.world_size} processes, backend {dist.get_backend()}, device "
+              f"{run.device.type}, global batch {run.global_batch}, started by {run.launcher}"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
-            # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
+            # after training, ranks hold different BatchNorm running statistics: give everyone
+            # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
             t1 = time.time()
             val, eval_time_s = evaluate(run), time.time() - t1
             save(run)  # first: no metrics row for a step no checkpoint holds
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
-                   run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: every rank stops
+            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
+                   "world_size": run.world_size, "eval_time_s": eval_time_s,
+                   "grad_norm": args.clip_grad and grad_norm}
+            # a failed write: every rank stops
+            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
             if progress.step == args.max_steps:
                 break
 
 
 def prepare(args):
-    """The parent's checks, before any child starts; it fills in --nprocs, --backend and MASTER_ADDR/PORT for them."""
+    """The parent's checks, before any child starts; it fills in --nprocs, --backend and
+    MASTER_ADDR/PORT for them."""
     args.nprocs = args.nprocs or (torch.accelerator.device_count() if args.device != "cpu" else 2)
-    args.backend = common.pick_backend(args, args.nprocs, None)  # the device's: nccl on GPUs, gloo on the CPU
+    args.backend = common.pick_backend(args)  # the device's: nccl on GPUs, gloo on the CPU
     if args.sync_bn and args.device == "cpu":
-        raise common.UsageError("--sync-bn needs a GPU: SyncBatchNorm's forward accepts no CPU tensors")
+        raise common.UsageError("--sync-bn needs a GPU: "
+                                "SyncBatchNorm's forward accepts no CPU tensors")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:  # a free port, never a hard-coded one that another job may hold
         s.bind(("", 0))
@@ -228,8 +254,9 @@ def prepare(args):
 
 
 def launch(args):
-    """The parent: starts the children, passes the stop signals on to them (a scheduler signals this process only)
-    and waits. A child that fails ends the others (mp.spawn's join), and its exit status is the parent's."""
+    """The parent: starts the children, passes the stop signals on to them (a scheduler signals this
+    process only) and waits. A child that fails ends the others (mp.spawn's join), and its exit
+    status is the parent's."""
     prepare(args)
     children = mp.spawn(child, args=(args,), nprocs=args.nprocs, join=False)
 
@@ -240,10 +267,12 @@ def launch(args):
     for signum in common.STOP_SIGNALS:  # SIGUSR1, SIGTERM, SIGHUP (Windows: SIGTERM only)
         signal.signal(signum, pass_on)
     try:
-        while not children.join(grace_period=10):  # a child failed: the others' own way out first, then SIGTERM
+        # a child failed: the others' own way out first, then SIGTERM
+        while not children.join(grace_period=10):
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code not in (1, 2, 3, 129, 143):  # the child said why (129, 143: stopped by a signal); else: say so
+        # the child said why (129, 143: stopped by a signal); else: say so
+        if e.exit_code not in (1, 2, 3, 129, 143):
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code if e.exit_code > 0 else 1)  # killed by a signal (a negative status): 1
     finally:  # Ctrl-C, or an error of the parent's own: no child left running
@@ -254,18 +283,23 @@ def launch(args):
 
 
 def child(rank, args):
-    """The body of each child: rank `rank` (in RANK for setup_distributed, as a launcher would set it)."""
+    """Each child: rank `rank` (in RANK for setup_distributed, as a launcher would set it)."""
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.nprocs)
     common.run(main, lambda: args)
 
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.one_process = "starts its own processes (under a launcher: ddp_launch_train.py)"  # [spawn]
-    parser.add_argument("--nprocs", type=common.number(int, 1), help="if not given: 1 per GPU, or 2 on CPU")  # [spawn]
-    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"], help="default: the device's (torch's mapping)")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm: statistics over the global batch")
-    parser.add_argument("--find-unused-parameters", action="store_true", help="a model that does not use every "
-                        "parameter in every step (else DDP fails at step 2: 'Expected to have finished reduction')")
+    parser.one_process = ("starts its own processes "  # [spawn]
+                          "(under a launcher: ddp_launch_train.py)")
+    parser.add_argument("--nprocs", type=common.number(int, 1),  # [spawn]
+                        help="if not given: 1 per GPU, or 2 on CPU")
+    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"],
+                        help="default: the device's (torch's mapping)")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="SyncBatchNorm: statistics over the global batch")
+    parser.add_argument("--find-unused-parameters", action="store_true",
+                        help="a model that does not use every parameter in every step "
+                             "(else DDP fails at step 2: 'Expected to have finished reduction')")
     # [spawn] no launcher starts it: no --local-rank
     common.run(launch, parser.parse_args)  # [spawn] the parent, which starts the children

@@ -1,12 +1,13 @@
 """nn.DataParallel: one process drives all the GPUs it sees; each step splits the batch over them.
 
-    python dp_train.py                 # all visible GPUs, or the CPU where there is none
-    python dp_train.py --gpus 0,1      # these GPUs only, numbered among the visible ones (CUDA_VISIBLE_DEVICES)
+    python dp_train.py             # all visible GPUs, or the CPU where there is none
+    python dp_train.py --gpus 0,1  # these GPUs only, numbered within CUDA_VISIBLE_DEVICES
 
-The simplest way to use several GPUs, and the slowest: one process (one GIL) copies the model to every GPU at every
-step and gathers the results on GPU 0, which holds more memory than the others. Here each GPU computes its own loss,
-so only per-GPU loss sums are gathered (--gather-outputs: the classic way). Prefer DDP (ddp_launch_train.py), which
-this script copies but for the lines marked [dp]; a checkpoint of either resumes in the other.
+The simplest way to use several GPUs, and the slowest: one process (one GIL) copies the model to
+every GPU at every step and gathers the results on GPU 0, which holds more memory than the others.
+Here each GPU computes its own loss, so only per-GPU loss sums are gathered (--gather-outputs: the
+classic way). Prefer DDP (ddp_launch_train.py), which this script copies but for the lines marked
+[dp]; a checkpoint of either resumes in the other.
 """
 import os
 import time
@@ -15,8 +16,8 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -24,72 +25,85 @@ import common
 
 
 class ModelWithLoss(nn.Module):
-    """The model and its loss as one module: each GPU's replica returns only its loss sum and correct count."""
+    """The model and its loss as one module: each GPU's replica returns only its loss sum and
+    correct count."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(self, x, y):
-        out = common.logits(self.model(x))
+        out = self.model(x)
         y = y.to(out.device)  # --gather-outputs: the outputs came to --output-device
-        return F.cross_entropy(out.float(), y, reduction="sum")[None], (out.argmax(1) == y).sum()[None]
+        return (F.cross_entropy(out.float(), y, reduction="sum")[None],
+                (out.argmax(1) == y).sum()[None])
 
 
 def setup_devices(args):
-    """The GPUs this one process drives (none on a CPU machine) and the device its parameters live on: GPU numbers
-    count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means physical GPUs 2 and 3."""
-    use_cuda = args.device == "cuda"  # [dp] DataParallel drives GPUs; on another device (mps, xpu) the one there is
+    """The GPUs this one process drives (none on a CPU machine) and the device its parameters live
+    on: GPU numbers count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means
+    physical GPUs 2 and 3."""
+    use_cuda = args.device == "cuda"  # [dp] DataParallel drives GPUs; on mps, xpu: the one there is
     visible, env = torch.cuda.device_count() if use_cuda else 0, os.environ
-    shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
+    shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" \
+        if "CUDA_VISIBLE_DEVICES" in env else ""
     try:
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(visible))
     except ValueError:
         raise common.UsageError(f"--gpus {args.gpus}: give GPU numbers such as 0,1") from None
     if args.gpus and not use_cuda:
-        raise common.UsageError(f"--gpus {args.gpus}: no CUDA GPU is visible{shown}, or --device {args.device}")
+        raise common.UsageError(f"--gpus {args.gpus}: no CUDA GPU is visible{shown}, "
+                                f"or --device {args.device}")
     if not all(0 <= g < visible for g in gpus):
-        raise common.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered 0 to {visible - 1}")
+        raise common.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered "
+                                f"0 to {visible - 1}")
     if use_cuda and (args.output_device or 0) not in range(visible):
         raise common.UsageError(f"--output-device {args.output_device} is not a visible GPU{shown}")
-    if args.compile and len(gpus) > 1:  # its replicas would call the first GPU's compiled module, with its parameters
-        raise common.UsageError("--compile with DataParallel on several GPUs: give one (--gpus 0), or use "
-                                "ddp_launch_train.py --compile, one process per GPU")
-    # parameters live on the first GPU (copied to the others at every step), or on the one device there is
+    # its replicas would call the first GPU's compiled module, with its parameters
+    if args.compile and len(gpus) > 1:
+        raise common.UsageError("--compile with DataParallel on several GPUs: give one (--gpus 0), "
+                                "or use ddp_launch_train.py --compile, one process per GPU")
+    # parameters live on the first GPU (copied to the others at every step), or on the one
+    # device there is
     device = torch.device("cuda", gpus[0]) if use_cuda else common.local_device(args.device, 0)
     if use_cuda:
         torch.cuda.set_device(device)
     common.set_threads_and_math(1, args.deterministic)
-    # one process: rank 0 of 1, and no store (no collective to wait on: common.hangs_named has nothing to name)
-    return types.SimpleNamespace(args=args, rank=0, world_size=1, local_rank=0, device=device, gpus=gpus, store=None)
+    # one process: rank 0 of 1, and no store (no collective to wait on: common.hangs_named has
+    # nothing to name)
+    return types.SimpleNamespace(args=args, rank=0, world_size=1, local_rank=0, device=device,
+                                 gpus=gpus, store=None)
 
 
 def build_data(run):  # [dp]
-    """One loader, each step's batch --batch-size samples per GPU, in the same global order as the DDP scripts (a
-    one-replica DistributedSampler): every script trains on the same batches."""
+    """One loader, each step's batch --batch-size samples per GPU, in the same global order as the
+    DDP scripts (a one-replica DistributedSampler): every script trains on the same batches."""
     args = run.args
     run.train_set, val_set = common.load_data(args, download=True)
-    run.sampler = DistributedSampler(run.train_set, 1, 0, shuffle=True, seed=args.seed, drop_last=True)
+    run.sampler = DistributedSampler(run.train_set, 1, 0, shuffle=True, seed=args.seed,
+                                     drop_last=True)
     run.steps_per_epoch = len(run.sampler) // run.global_batch
     if run.steps_per_epoch == 0:
-        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
-                                f"({run.global_batch})")
-    val_batches = list(BatchSampler(range(len(val_set)), args.batch_size * max(1, len(run.gpus)), False))
+        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global "
+                                f"batch ({run.global_batch})")
+    val_batches = list(BatchSampler(range(len(val_set)),
+                                    args.batch_size * max(1, len(run.gpus)), False))
     run.val_loader = common.make_loader(val_set, val_batches, run)
 
 
 def build_model(run):  # [dp]
-    """The model on the first GPU, and DataParallel around it, which copies it to every GPU at every step."""
+    """The model on the first GPU, in a DataParallel that copies it to every GPU at every step."""
     args = run.args
     torch.manual_seed(args.seed)
-    run.raw_model = common.make_model(args.model, run.train_set)
-    if args.pretrained or args.weights or args.freeze_backbone:
-        run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
-    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
+    run.raw_model = common.make_model(args, run.train_set)
+    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
+                     else torch.preserve_format)
     if args.compile:
-        run.raw_model.compile()  # in place: parameter names (and checkpoints) keep no _orig_mod. prefix
-    # each GPU's replica computes its loss, only the sums are gathered; --gather-outputs: the classic way, all outputs
-    # gathered on --output-device and the loss computed there. On the CPU: the module itself, as DataParallel would
+        run.raw_model.compile()  # in place: no _orig_mod. prefix on parameter names or checkpoints
+    # each GPU's replica computes its loss, only the sums are gathered; --gather-outputs: the
+    # classic way, all outputs gathered on --output-device and the loss computed there. On the
+    # CPU: the module itself, as DataParallel would
     model = run.raw_model if args.gather_outputs else ModelWithLoss(run.raw_model)
     model = nn.DataParallel(model, run.gpus, args.output_device) if run.gpus else model
     run.model = ModelWithLoss(model) if args.gather_outputs else model
@@ -97,11 +111,13 @@ def build_model(run):  # [dp]
 
 
 def resume(run):  # [dp]
-    """A last.pt of any script, written by any number of processes: the progress it saved, or None (a fresh start)."""
+    """A last.pt of any script, written by any number of processes: the progress it saved, or None
+    (a fresh start)."""
     ckpt = common.find_checkpoint(run)
     if ckpt:
-        # name-keyed, as every script writes it; one process holds it whole, so no full_state_dict (which fails on an
-        # optimizer state without tensors, as SGD's without momentum: "Expected device to be set")
+        # name-keyed, as every script writes it; one process holds it whole, so no full_state_dict
+        # (which fails on an optimizer state without tensors, as SGD's without momentum: "Expected
+        # device to be set")
         set_model_state_dict(run.raw_model, ckpt["model"])
         set_optimizer_state_dict(run.raw_model, run.optimizer, ckpt["optimizer"])
         run.scheduler.load_state_dict(ckpt["scheduler"])
@@ -111,16 +127,17 @@ def resume(run):  # [dp]
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
-    norm before clipping, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
+    the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     # [dp] one process: no gradients to synchronize, no no_sync()
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [dp]
-        loss = run.model(xm, ym)[0].sum().to(run.device) / len(ym) / accum  # the mean over the whole micro-batch
+        # the mean over the whole micro-batch
+        loss = run.model(xm, ym)[0].sum().to(run.device) / len(ym) / accum
         loss.backward()  # DataParallel adds up the replicas' gradients on the first GPU
         step_loss += loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) if run.args.clip_grad \
-        else None
+    norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) \
+        if run.args.clip_grad else None
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -128,31 +145,35 @@ def train_step(run, x, y):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
-    loss over its steps and the ranks."""
+    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
+    returns the mean loss over its steps and the ranks."""
     progress = run.progress  # [dp] (the batches are run.global_batch)
-    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
+    # epoch 0's order
     run.sampler.set_epoch(epoch)
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
-    batches = list(BatchSampler(run.sampler, run.global_batch, drop_last=True))  # [dp] split over the GPUs later
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
+    batches = list(BatchSampler(run.sampler, run.global_batch,  # [dp] split over the GPUs later
+                                drop_last=True))
+    # resumed mid-epoch: skip the batches already done
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
         x, y = common.to_device(run, run.train_set, x, y)
-        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
+        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
+        # (common.Progress.check)
         stopping = progress.step_done(*train_step(run, x, y))
         if progress.last:  # the epoch's end, or --max-steps: the caller saves
             break
         if progress.save_due or stopping:
             save(run)
-        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+        if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
             raise common.stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
 
 
-def mean_over_ranks(t):  # [dp] one process: nothing to average (named as in the DDP scripts, for comparing)
+def mean_over_ranks(t):  # [dp] one process: nothing to average (named as DDP's, to compare)
     return t
 
 
@@ -160,7 +181,8 @@ def mean_over_ranks(t):  # [dp] one process: nothing to average (named as in the
 def evaluate(run):  # [dp]
     """Loss and accuracy over the whole validation set, every batch split over the GPUs."""
     run.raw_model.eval()
-    totals = torch.zeros(3, dtype=run.progress.exact, device=run.device)  # loss sum, correct, count (MPS: float32)
+    # loss sum, correct, count (MPS: float32)
+    totals = torch.zeros(3, dtype=run.progress.exact, device=run.device)
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
         loss_sums, correct = run.model(x, y)  # one of each per GPU
@@ -172,56 +194,68 @@ def evaluate(run):  # [dp]
 
 
 def save(run):  # [dp]
-    """The whole training state to last.pt, as the DDP scripts write it (world size 1): plain names, whole tensors,
-    the random generators. It loads in any script, at any number of processes, with or without a GPU."""
-    progress, options = run.progress, StateDictOptions(full_state_dict=True, cpu_offload=True)  # on the CPU
+    """The whole training state to last.pt, as the DDP scripts write it (world size 1): plain names,
+    whole tensors, the random generators. It loads in any script, at any number of processes, with
+    or without a GPU."""
+    # the state dicts, on the CPU
+    progress, options = run.progress, StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
-    common.save_atomic({"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-                        **progress.state(progress.sums.tolist()), "args": vars(run.args),
-                        "rng": [common.rng_state(run.device)], "world_size": 1}, os.path.join(run.out_dir, "last.pt"))
+    common.save_atomic({
+        "model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
+        **progress.state(progress.sums.tolist()), "args": vars(run.args),
+        "rng": [common.rng_state(run.device)], "world_size": 1},
+        os.path.join(run.out_dir, "last.pt"))
 
 
 def main(args):
     run = setup_devices(args)  # [dp]
     master = run.rank == 0  # one process: it prints and writes files
-    run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
-    run.global_batch = args.batch_size * args.grad_accum * max(1, len(run.gpus))  # [dp] --batch-size: per GPU
+    run.out_dir = args.out_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(__file__))[0])
+    run.global_batch = (args.batch_size * args.grad_accum  # [dp] --batch-size: per GPU
+                        * max(1, len(run.gpus)))
     build_data(run)
     build_model(run)
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
-    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))  # a resume may find the run done
-    if progress.step >= end:
+    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
+    if progress.step >= end:  # a resume may find the run done
         if master:
-            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, --max-steps {args.max_steps}): "
-                  "nothing to train")
+            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
+                  f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
         common.start_output(run)
-        print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, global batch "  # [dp]
-              f"{run.global_batch}" + (f", resuming at step {progress.step}" if progress.step else ""))
+        print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, "  # [dp]
+              f"global batch {run.global_batch}"
+              + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
-            # [dp] one process holds the only copy of the model: no BatchNorm statistics to broadcast
+            # [dp] one process holds the model's only copy: no BatchNorm statistics to broadcast
             t1 = time.time()
             val, eval_time_s = evaluate(run), time.time() - t1
             save(run)  # first: no metrics row for a step no checkpoint holds
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "eval_time_s":
-                   eval_time_s, "world_size": run.world_size, "gpus": run.gpus,  # [dp]
-                   "grad_norm": grad_norm if args.clip_grad else None}
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: every rank stops
+            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
+                   "eval_time_s": eval_time_s, "world_size": run.world_size,
+                   "gpus": run.gpus, "grad_norm": grad_norm if args.clip_grad else None}  # [dp]
+            # a failed write: every rank stops
+            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
             if progress.step == args.max_steps:
                 break
 
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.one_process = "is one process that drives every GPU (one process per GPU: ddp_launch_train.py)"  # [dp]
+    parser.one_process = ("is one process that drives every GPU "  # [dp]
+                          "(one process per GPU: ddp_launch_train.py)")
     parser.collectives = False  # [dp] no process group: it may train on MPS
-    parser.add_argument("--gpus", help="GPU numbers among the visible ones, e.g. 0,1; if not given, all")  # [dp]
-    parser.add_argument("--output-device", type=int, help="the GPU that gathers (if not given, the first)")  # [dp]
-    parser.add_argument("--gather-outputs", action="store_true", help="the classic way: loss on one GPU")  # [dp]
+    parser.add_argument("--gpus",  # [dp]
+                        help="GPU numbers among the visible ones, e.g. 0,1; if not given, all")
+    parser.add_argument("--output-device", type=int,
+                        help="the GPU that gathers (if not given, the first)")  # [dp]
+    parser.add_argument("--gather-outputs", action="store_true",
+                        help="the classic way: loss on one GPU")  # [dp]
     # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
     common.run(main, parser.parse_args)

@@ -1,15 +1,16 @@
-"""Fully sharded data parallel (FSDP2: torch.distributed.fsdp.fully_shard), one process per GPU, started by a launcher
-that tells each process who it is.
+"""Fully sharded data parallel (FSDP2: torch.distributed.fsdp.fully_shard), one process per GPU,
+started by a launcher that tells each process who it is.
 
-    torchrun --nproc_per_node=4 fsdp_train.py                           # one machine, 4 GPUs (or 4 CPU processes)
-    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST0 --master_port=29500 --nproc_per_node=8 fsdp_train.py
-    srun --ntasks-per-node=8 python fsdp_train.py                       # SLURM, inside an allocation
-    python fsdp_train.py                                                # one process
+    torchrun --nproc_per_node=4 fsdp_train.py      # one machine, 4 GPUs (or 4 CPU processes)
+    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST0 --nproc_per_node=8 fsdp_train.py
+    srun --ntasks-per-node=8 python fsdp_train.py  # SLURM, inside an allocation
+    python fsdp_train.py                           # one process
 
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; srun sets SLURM_PROCID, SLURM_STEP_NUM_TASKS and
-SLURM_LOCALID. Each process trains on its part of every global batch, as with DDP, but holds 1/N of the parameters,
-gradients and optimizer state: a block's parameters are all-gathered just before its forward (and backward), its
-gradients reduce-scattered to the ranks that own them, and each rank steps its own shard (docs/fsdp.md).
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; srun sets SLURM_PROCID,
+SLURM_STEP_NUM_TASKS and SLURM_LOCALID. Each process trains on its part of every global batch, as
+with DDP, but holds 1/N of the parameters, gradients and optimizer state: a block's parameters are
+all-gathered just before its forward (and backward), its gradients reduce-scattered to the ranks
+that own them, and each rank steps its own shard (docs/fsdp.md).
 """
 import argparse
 import datetime
@@ -22,8 +23,8 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -34,63 +35,75 @@ import common
 
 
 def setup_distributed(args):
-    """This process's rank and device, then the process group, which every rank joins before anything else. The
-    store it meets on is ours too: a rank that stops answering is named through it (common.hangs_named)."""
-    # from the launcher's environment (torchrun, srun, mpirun, a hand launch), never from a --local-rank flag
+    """This process's rank and device, then the process group, joined by every rank before all else.
+    Its store is ours too: a rank that stops answering is named through it (common.hangs_named)."""
+    # from the launcher's environment (torchrun, srun, mpirun, by hand), never a --local-rank flag
     rank, world_size, local_rank, local_world_size, launcher = common.launcher_env()
-    backend = common.pick_backend(args, local_world_size, launcher)  # the device's: nccl on GPUs, gloo on the CPU
+    backend = common.pick_backend(args)  # the device's: nccl on GPUs, gloo on the CPU
     if args.sync_bn:  # [fsdp] on any device
-        raise common.UsageError("--sync-bn is not supported with FSDP (fully_shard does not handle SyncBatchNorm): "
-                                "use ddp_launch_train.py --sync-bn, or a model with GroupNorm/LayerNorm")
+        raise common.UsageError(
+            "--sync-bn is not supported with FSDP (fully_shard does not handle SyncBatchNorm): "
+            "use ddp_launch_train.py --sync-bn, or a model with GroupNorm/LayerNorm")
     if world_size % args.replicate:  # [fsdp]
-        raise common.UsageError(f"--replicate {args.replicate} does not divide the {world_size} processes into equal "
-                                "groups: give a divisor, such as the number of machines")
-    device = common.local_device(args.device, local_rank)  # and made current: NCCL and friends use it
+        raise common.UsageError(
+            f"--replicate {args.replicate} does not divide the {world_size} processes into equal "
+            "groups: give a divisor, such as the number of machines")
+    device = common.local_device(args.device, local_rank)  # made current: NCCL and friends use it
     common.set_threads_and_math(local_world_size, args.deterministic)
-    timeout, env = datetime.timedelta(minutes=10), os.environ  # start-up: data, downloads; then --step-timeout
+    # 10 minutes for the start-up (data, downloads); then --step-timeout
+    timeout, env = datetime.timedelta(minutes=10), os.environ
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: its agent holds the store
-    if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # restarts: a fresh key prefix per attempt
-        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(rank, world_size, timeout)
-    elif world_size > 1:  # (a lone process ignores a MASTER_ADDR left in the shell: it needs no network)
+    # restarts (torchrun --max-restarts): a fresh key prefix per attempt
+    if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(
+            rank, world_size, timeout)
+    elif world_size > 1:  # (a lone process ignores a MASTER_ADDR in the shell: it needs no network)
         if env["MASTER_PORT"] == "0":
-            raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): give a free port, or --standalone")
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0 and not agent,
-                              timeout=timeout, use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
+            raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
+                                    "give a free port, or --standalone")
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                              rank == 0 and not agent, timeout=timeout,
+                              use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
     else:  # a lone process needs no network
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
-    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                                 store=store if world_size > 1 else None, launcher=launcher or "python")
+    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
+                                 device=device, store=store if world_size > 1 else None,
+                                 launcher=launcher or "python")
 
 
 def build_data(run):
-    """Every rank draws the same global order and trains on its own part of each global batch (a new order every
-    epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank, once."""
+    """Every rank draws the same global order and trains on its own part of each global batch (a new
+    order every epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank,
+    once."""
     args = run.args
-    # rank 0 downloads and builds first, alone, so that N processes never write the same files at once; then the others
-    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True), run.rank) or \
-        common.load_data(args)
-    # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a batch that never comes
-    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True, seed=args.seed,
-                                     drop_last=True)
+    # rank 0 downloads and builds first, alone, so that N processes never write the same files at
+    # once; then the others
+    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True),
+                                             run.rank) or common.load_data(args)
+    # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a
+    # batch that never comes
+    run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True,
+                                     seed=args.seed, drop_last=True)
     run.steps_per_epoch = len(run.sampler) // (args.batch_size * args.grad_accum)
     if run.steps_per_epoch == 0:
-        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global batch "
-                                f"({args.batch_size * args.grad_accum * run.world_size})")
-    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size), args.batch_size, False))
+        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global "
+                                f"batch ({args.batch_size * args.grad_accum * run.world_size})")
+    val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size),
+                                    args.batch_size, False))
     run.val_loader = common.make_loader(val_set, val_batches, run)  # no padding duplicates
 
 
 def build_model(run):
-    """The same model on every rank, then sharded in place: each rank keeps its 1/N of every parameter."""
+    """The same model on every rank, sharded in place: each rank keeps 1/N of every parameter."""
     args = run.args
     torch.manual_seed(args.seed)
-    run.raw_model = common.make_model(args.model, run.train_set)
-    if args.pretrained or args.weights or args.freeze_backbone:
-        run.raw_model = common.optional("finetune", "--pretrained/--weights").prepare(run.raw_model, run)
-    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
-    if args.weights:  # [fsdp] read on rank 0 only, and FSDP2 does not broadcast at wrapping: sent to every rank here
+    run.raw_model = common.make_model(args, run.train_set)
+    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
+                     else torch.preserve_format)
+    if getattr(args, "weights", None):  # [fsdp] read on rank 0 only; FSDP2 does not broadcast it
         for t in run.raw_model.state_dict().values():
             dist.broadcast(t, 0)
     shard(run.raw_model, make_mesh(run), args.precision, args.reshard_after_forward)  # [fsdp]
@@ -101,36 +114,43 @@ def build_model(run):
 
 
 def make_mesh(run):
-    """1-D: every rank holds 1/N. HSDP (--replicate R): R copies, each sharded over N/R ranks (its all-gathers stay
-    among them: one machine's fast links), the gradients then all-reduced across the copies."""
+    """1-D: every rank holds 1/N. HSDP (--replicate R): R copies, each sharded over N/R ranks (its
+    all-gathers stay among them: one machine's fast links), the gradients then all-reduced across
+    the copies."""
     r = run.args.replicate
-    return init_device_mesh(run.device.type, (r, run.world_size // r), mesh_dim_names=("replicate", "shard")) \
+    return init_device_mesh(run.device.type, (r, run.world_size // r),
+                            mesh_dim_names=("replicate", "shard")) \
         if r > 1 else init_device_mesh(run.device.type, (run.world_size,))
 
 
 def shard(model, mesh, precision, reshard_after_forward):
-    """fully_shard bottom-up: each top-level child with parameters a group, all-gathered in one collective just before
-    it runs (resnet: conv1, layer1..layer4, fc); then the root, for what is left. bf16: parameters gathered and
-    computed in bfloat16, gradients reduced in fp32; each BatchNorm a group that computes in fp32 and hands bf16 on
-    (torch 2.15's param_dtype_override_fn would do that without a group each; 2.11-2.14 lack it)."""
-    kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), torch.nn.modules.batchnorm._BatchNorm
+    """fully_shard bottom-up: each top-level child with parameters a group, all-gathered in one
+    collective just before it runs (resnet: conv1, layer1..layer4, fc); then the root, for what is
+    left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32; each
+    BatchNorm a group that computes in fp32 and hands bf16 on (torch 2.15's param_dtype_override_fn
+    would do that without a group each; 2.11-2.14 lack it)."""
+    kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), \
+        torch.nn.modules.batchnorm._BatchNorm
     bf16 = torch.bfloat16 if precision == "bf16" else None  # None: computed as they are, in fp32
     for m in model.modules() if bf16 else ():
         if isinstance(m, bn):
-            fully_shard(m, **kw, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=bf16))
+            fully_shard(m, **kw, mp_policy=MixedPrecisionPolicy(
+                torch.float32, torch.float32, output_dtype=bf16))
     mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32 if bf16 else None)
     for child in model.children():
-        if next(child.parameters(), None) is not None and not isinstance(child, (bn, torch.nn.LayerNorm,
-                                                                                 torch.nn.GroupNorm)):
+        if next(child.parameters(), None) is not None and \
+                not isinstance(child, (bn, torch.nn.LayerNorm, torch.nn.GroupNorm)):
             fully_shard(child, **kw, mp_policy=mp)
     fully_shard(model, **kw, mp_policy=mp)
 
 
 def find_checkpoint(run):
-    """Rank 0: common.find_checkpoint's, or where there are sharded ones (ckpt-<step> folders, --ckpt-format dcp),
-    train_extras/sharded.py's: --resume auto takes the highest step of last.pt and them."""
+    """Rank 0: common.find_checkpoint's, or where there are sharded ones (ckpt-<step> folders,
+    --ckpt-format dcp), train_extras/sharded.py's: --resume auto takes the highest step of last.pt
+    and them."""
     out_dir = run.out_dir
-    folders = os.path.isdir(out_dir) and any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
+    folders = os.path.isdir(out_dir) and \
+        any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
     resume = run.args.resume or ""
     if folders or os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, "last.pt")):
         return common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").find(run)
@@ -138,41 +158,51 @@ def find_checkpoint(run):
 
 
 def resume(run):
-    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed). Returns the
-    progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: find_checkpoint(run), run.rank)  # [fsdp] last.pt, or a ckpt-<step> folder's meta
-    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's broadcast fails on it
-    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])} if ckpt else None]
+    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
+    Returns the progress it saved, or None for a fresh start."""
+    ckpt = common.on_rank0(lambda: find_checkpoint(run),
+                           run.rank)  # [fsdp] last.pt, or a ckpt-<step> folder's meta
+    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
+    # broadcast fails on it
+    meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])}
+            if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
-    if meta[0] and "sharded" in meta[0]:  # [fsdp] a ckpt-<step> folder: each rank reads its part, in this run's layout
+    if meta[0] and "sharded" in meta[0]:  # [fsdp] a ckpt-<step> folder
+        # each rank reads its part, in this run's layout
         common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").load(meta[0], run)
         return meta[0]
     if meta[0]:
-        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model there and hangs
+        # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model
+        # there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
         whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
-        set_optimizer_state_dict(run.raw_model, run.optimizer, whole or (ckpt["optimizer"] if run.rank == 0 else {}),
+        set_optimizer_state_dict(run.raw_model, run.optimizer,
+                                 whole or (ckpt["optimizer"] if run.rank == 0 else {}),
                                  options=StateDictOptions() if whole else options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
-        # dropout and the like draw from each rank's generators: as they were, to go on as if never stopped
+        # dropout etc. draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run)
     return meta[0]
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad, the gradients'
-    norm before clipping, on the device (no host sync)."""
+    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
+    the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
-    # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad. FSDP's no_sync (set_requires_
-    # gradient_sync(False)) would keep full-size gradients on every rank instead, which FSDP is here to avoid
+    # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad. FSDP's no_sync
+    # (set_requires_gradient_sync(False)) would keep full-size gradients on every rank instead,
+    # which FSDP is here to avoid
     for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [fsdp]
-        loss = F.cross_entropy(common.logits(run.model(xm)).float(), ym) / accum  # bf16 logits: the loss in fp32
+        loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
-    # gradients exist from backward to zero_grad: what this rank holds of them is measured here (for metrics.jsonl)
-    run.grad_bytes = local_bytes(p.grad for p in run.raw_model.parameters() if p.grad is not None)  # [fsdp]
-    norm = clip_grad_norm(run.raw_model.parameters(), run.args.clip_grad) if run.args.clip_grad else None  # [fsdp]
+    # gradients exist from backward to zero_grad: what this rank holds of them is measured here
+    # (for metrics.jsonl)
+    run.grad_bytes = local_bytes(
+        p.grad for p in run.raw_model.parameters() if p.grad is not None)  # [fsdp]
+    norm = clip_grad_norm(run.raw_model.parameters(), run.args.clip_grad) \
+        if run.args.clip_grad else None  # [fsdp]
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -180,9 +210,9 @@ def train_step(run, x, y):
 
 
 def clip_grad_norm(params, max_norm):
-    """The gradients scaled down to a global norm (over all ranks and shards) of at most max_norm; returns the norm
-    before clipping. Each rank's is a DTensor's partial sum: full_tensor() adds it up over the ranks (torch's
-    clip_grad_norm_ returns the partial norm, pytorch/pytorch#170862)."""
+    """The gradients scaled down to a global norm (over all ranks and shards) of at most max_norm;
+    returns the norm before clipping. Each rank's is a DTensor's partial sum: full_tensor() adds it
+    up over the ranks (torch's clip_grad_norm_ returns the partial norm, pytorch/pytorch#170862)."""
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -191,25 +221,28 @@ def clip_grad_norm(params, max_norm):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch); returns the mean
-    loss over its steps and the ranks."""
+    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
+    returns the mean loss over its steps and the ranks."""
     args, progress = run.args, run.progress
-    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats epoch 0's order
+    # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
+    # epoch 0's order
     run.sampler.set_epoch(epoch)
     if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)  # resumed: skip
+    # resumed mid-epoch: skip the batches already done
+    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
         x, y = common.to_device(run, run.train_set, x, y)
-        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step (common.Progress.check)
+        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
+        # (common.Progress.check)
         stopping = progress.step_done(*train_step(run, x, y))
         if progress.last:  # the epoch's end, or --max-steps: the caller saves
             break
         if progress.save_due or stopping:
-            save(run, blocking=bool(stopping))  # [fsdp] a save on a stop signal is whole before the run ends
-        if stopping:  # every rank has saved: the run ends here, and --resume auto continues from this step
+            save(run, blocking=bool(stopping))  # [fsdp] a stop's save is whole before the run ends
+        if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
             raise common.stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
@@ -222,12 +255,12 @@ def mean_over_ranks(t):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss and accuracy over the whole validation set: each rank sums over its shard, then one all-reduce."""
+    """Loss and accuracy on the whole validation set: each rank sums its shard, then all-reduce."""
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
-        out = common.logits(run.raw_model(x))
+        out = run.raw_model(x)
         totals[0] += F.cross_entropy(out.float(), y, reduction="sum")
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
@@ -238,43 +271,52 @@ def evaluate(run):
 
 
 def pad_forwards(run):
-    """Every forward all-gathers from every rank: a rank with a batch fewer than rank 0 (or none, with fewer samples
-    than ranks) runs the missing forwards on one real sample, counted nowhere, or rank 0 would wait forever."""
+    """Every forward all-gathers from every rank: a rank with a batch fewer than rank 0 (or none,
+    with fewer samples than ranks) runs the missing forwards on one real sample, counted nowhere, or
+    rank 0 would wait forever."""
     ds = run.val_loader.dataset
     batches = math.ceil(math.ceil(len(ds) / run.world_size) / run.args.batch_size)  # rank 0's
     for _ in range(len(run.val_loader), batches):
-        run.raw_model(common.to_device(run, ds, ds[0][0][None], torch.zeros(1, dtype=torch.long))[0])  # counts nowhere
+        run.raw_model(common.to_device(
+            run, ds, ds[0][0][None], torch.zeros(1, dtype=torch.long))[0])  # counts nowhere
 
 
 def save(run, blocking=False):
-    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole training state to
-    last.pt: plain names, whole tensors, every rank's random generators. It loads in any script, at any number of
-    processes, with or without a GPU, and into a plain model with weights_only=True. --ckpt-format dcp: a ckpt-<step>
-    folder of each rank's shards instead (train_extras/sharded.py; --async-save: in the background unless blocking)."""
+    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole
+    training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
+    in any script, at any number of processes, with or without a GPU, and into a plain model with
+    weights_only=True. --ckpt-format dcp: a ckpt-<step> folder of each rank's shards instead
+    (train_extras/sharded.py; --async-save: in the background unless blocking)."""
     progress = run.progress
     sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(common.rng_state(run.device), rngs)
-    if run.sharded:  # [fsdp] --ckpt-format dcp: each rank writes the tensors it holds, nothing is gathered
+    if run.sharded:  # [fsdp] --ckpt-format dcp: each rank writes the tensors it holds; no gather
         return run.sharded.save(run, sums, rngs, blocking)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
-    state = {"model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-             **progress.state(sums), "rng": rngs, "args": vars(run.args), "world_size": run.world_size}
-    # written by rank 0; if it fails (a full disk), every rank stops with its line, none waits for rank 0
-    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")), run.rank)
+    state = {"model": model_state, "optimizer": optim_state,
+             "scheduler": run.scheduler.state_dict(), **progress.state(sums), "rng": rngs,
+             "args": vars(run.args), "world_size": run.world_size}
+    # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it
+    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")),
+                    run.rank)
 
 
 def local_bytes(tensors):
-    """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, gradient, moment) its shard."""
-    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, gradient, moment)
+    its shard."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+               for t in tensors)
 
 
 def held_bytes(run):
-    """What rank 0 holds, for metrics.jsonl (its shards are the largest); the gradients as train_step measured them."""
+    """What rank 0 holds, for metrics.jsonl (its shards are the largest); the gradients as
+    train_step measured them."""
     args, optim_state = run.args, run.optimizer.state.values()
     return {"param_bytes": local_bytes(run.raw_model.parameters()), "grad_bytes": run.grad_bytes,
-            "optim_bytes": local_bytes(v for s in optim_state for v in s.values() if torch.is_tensor(v)),
+            "optim_bytes": local_bytes(
+                v for s in optim_state for v in s.values() if torch.is_tensor(v)),
             "precision": args.precision, "reshard_after_forward": args.reshard_after_forward,
             "replicate": args.replicate}
 
@@ -282,26 +324,28 @@ def held_bytes(run):
 def main(args):
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
-    run.out_dir = args.out_dir or os.path.join("runs", os.path.splitext(os.path.basename(__file__))[0])
+    run.out_dir = args.out_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(__file__))[0])
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
-    run.sharded = (common.optional("sharded", "--ckpt-format dcp").Saver(run)  # [fsdp] each rank writes its part
-                   if args.ckpt_format == "dcp" or args.async_save else None)
+    run.sharded = (common.optional("sharded", "--ckpt-format dcp").Saver(run)  # [fsdp] each rank
+                   if args.ckpt_format == "dcp" or args.async_save else None)  # writes its part
     build_data(run)
     build_model(run)
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
-    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))  # a resume may find the run done
-    if progress.step >= end:
+    end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
+    if progress.step >= end:  # a resume may find the run done
         if master:
-            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, --max-steps {args.max_steps}): "
-                  "nothing to train")
+            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
+                  f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
         common.start_output(run)
-        hsdp = f"HSDP: {args.replicate} copies of {run.world_size // args.replicate} shards, "  # [fsdp]
-        print(f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device {run.device.type}, "  # [fsdp]
-              f"global batch {run.global_batch}, started by {run.launcher}, {args.precision}, "
-              f"{'' if args.reshard_after_forward else 'no '}"
+        hsdp = (f"HSDP: {args.replicate} copies of "  # [fsdp]
+                f"{run.world_size // args.replicate} shards, ")
+        print(f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device "  # [fsdp]
+              f"{run.device.type}, global batch {run.global_batch}, started by {run.launcher}, "
+              f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
               f"reshard after forward, {hsdp * (args.replicate > 1)}"
               f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
               + (f", resuming at step {progress.step}" if progress.step else ""))
@@ -309,38 +353,52 @@ def main(args):
         for epoch in range(progress.epoch, args.epochs):
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
-            # after training, ranks hold different BatchNorm running statistics: give everyone rank 0's (the saved ones)
+            # after training, ranks hold different BatchNorm running statistics: give everyone
+            # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
             t1 = time.time()
             val, eval_time_s = evaluate(run), time.time() - t1
-            save(run, blocking=progress.step == end)  # [fsdp] first: no row for a step no checkpoint holds
-            # (the last save whole before its row even with --async-save; an earlier one may fail after its row)
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0], "world_size":
-                   run.world_size, "eval_time_s": eval_time_s, "grad_norm": args.clip_grad and grad_norm}
-            row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes and the FSDP flags
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: every rank stops
+            save(run, blocking=progress.step == end)  # [fsdp] first: no row for an unsaved step
+            # (the last save whole before its row even with --async-save; an earlier one may fail
+            # after its row)
+            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
+                   "world_size": run.world_size, "eval_time_s": eval_time_s,
+                   "grad_norm": args.clip_grad and grad_norm}
+            row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes, FSDP flags
+            # a failed write: every rank stops
+            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
             if progress.step == args.max_steps:
                 break
         if run.sharded:  # [fsdp] the last save, if written in the background, complete
             run.sharded.wait()
-        dist.barrier()  # [fsdp] no rank tears its process group down while a peer may still be in the last save
+        dist.barrier()  # [fsdp] no rank tears down its group while a peer may be in the last save
 
 
 if __name__ == "__main__":
     parser = common.get_parser(__doc__)
-    parser.sharded = True  # [fsdp] --ckpt-format dcp, --async-save
-    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"], help="default: the device's (torch's mapping)")
-    parser.add_argument("--sync-bn", action="store_true", help="not with FSDP: use ddp_launch_train.py")  # [fsdp]
+    parser.add_argument("--ckpt-format", choices=["file", "dcp"], default="file",  # [fsdp]
+                        help="dcp: sharded checkpoints, ckpt-<step> folders "
+                        "(train_extras/sharded.py)")
+    parser.add_argument("--async-save", action="store_true",  # [fsdp]
+                        help="dcp checkpoints written in the background")
+    parser.add_argument("--backend", choices=["gloo", "nccl", "xccl"],
+                        help="default: the device's (torch's mapping)")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="not with FSDP: use ddp_launch_train.py")  # [fsdp]
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",  # [fsdp]
-                        help="bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32 (no "
-                        "fp16: it would need a sharded GradScaler, and bf16 has fp32's range)")
-    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,  # [fsdp]
-                        help="free each block's gathered parameters after its forward, gather again for its backward "
-                        "(least memory, ZeRO-3); --no-...: kept until the backward, one all-gather fewer (ZeRO-2-like)")
+                        help="bf16: parameters gathered and computed in bfloat16, gradients "
+                        "reduced in fp32 (no fp16: it would need a sharded GradScaler, and bf16 "
+                        "has fp32's range)")
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,  # [fsdp]
+                        default=True, help="free each block's gathered parameters after its "
+                        "forward, gather again for its backward (least memory, ZeRO-3); --no-...: "
+                        "kept until the backward, one all-gather fewer (ZeRO-2-like)")
     parser.add_argument("--replicate", type=common.number(int, 1), default=1, metavar="R",  # [fsdp]
-                        help="HSDP: R copies of the model, each sharded over N/R ranks (e.g. R = the machines)")
-    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N before the script's
-    # own arguments: accepted, not listed, and ignored; the rank comes from LOCAL_RANK, which it also sets
+                        help="HSDP: R copies of the model, each sharded over N/R ranks "
+                        "(e.g. R = the machines)")
+    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N
+    # before the script's own arguments: accepted, not listed, and ignored; the rank comes from
+    # LOCAL_RANK, which it also sets
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     common.run(main, parser.parse_args)

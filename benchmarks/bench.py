@@ -82,7 +82,7 @@ def bare_loop(a):
     if device.type == "cuda" and sum(t.nbytes for t in train_set.tensors) < 2**32:  # as common.make_loader does:
         train_set.tensors = tuple(t.to(device) for t in train_set.tensors)  # on the GPU if it fits, copied once
     torch.manual_seed(args.seed)
-    model = common.make_model(a.model, train_set).to(device, memory_format=fmt)
+    model = common.make_model(a, train_set).to(device, memory_format=fmt)
     if a.compile:
         model.compile()
     optimizer, scheduler = common.make_optimizer(args, model, a.steps)
@@ -261,7 +261,7 @@ def main(a):
     # minute to minute, and the neighbours share the drift. Each bare run in between is also divided by the mean of
     # its neighbours: the spread of the reference against itself, what any ratio's spread should be read against
     # --budget: no repeat is started that would end past it, going by the last repeat's time (one always runs)
-    start = time.time()
+    start, last = time.time(), 0.0
     before = timed(bare, 0)
     bare_speeds = [before]
     for r in range(a.repeats):

@@ -10,7 +10,8 @@ dcp --async-save (every rank copies its part to host memory and writes it in a t
 Each rank builds the data, model and optimizer as the script does (its build_data and build_model), trains one step
 (so that the optimizer state exists: AdamW's is twice the parameters), then calls the script's save() --repeats
 times per format, the formats interleaved. The sharded formats are fsdp_train.py's (--ckpt-format dcp, written by
-train_extras/sharded.py); ddp_launch_train.py writes last.pt only. A thread samples each rank's resident set size (/proc/self/statm) every
+train_extras/sharded.py); ddp_launch_train.py writes last.pt only. A thread samples each rank's resident set size
+(/proc/self/statm) every
 2 ms: the rise is its peak during the save (until the background write has finished, for --async-save) less its
 size just before. `ru_maxrss` would not do: it is the lifetime peak. Memory that an earlier save freed is reused
 by the next (the allocator keeps it), so a rise is the largest over the repeats (the first save's), and formats
@@ -86,6 +87,7 @@ def main():
     args.backend, args.sync_bn, args.local_rank, args.find_unused_parameters = None, False, None, False
     if fsdp:
         args.precision, args.replicate, args.reshard_after_forward = "fp32", 1, True
+        args.ckpt_format, args.async_save = "file", False
     run = script.setup_distributed(args)
     rank, world_size = run.rank, run.world_size
     run.global_batch, run.sharded = args.batch_size * world_size, None

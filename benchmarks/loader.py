@@ -9,11 +9,13 @@ It writes --images JPEGs of ImageNet-like size (500x375, quality 90; smooth colo
 a temporary folder, then times a whole pass over them, batch 64, shuffled, for each pipeline:
   baseline      torchvision.datasets.ImageFolder: PIL decode, RandomResizedCrop(224), RandomHorizontalFlip,
                 ToTensor, Normalize (torchvision.transforms, v1)
-  scripts       train_extras.datasets.ImageFiles, as the scripts train on an ImageFolder: torchvision.io.decode_image, then
+  scripts       train_extras.datasets.ImageFiles, as the scripts train on an ImageFolder:
+                torchvision.io.decode_image, then
                 transforms.v2 on the uint8 tensor (resize to 224x224, random crop with padding, flip); each
                 sample's randomness seeded from (seed, epoch, index). Batches leave the worker as uint8 and are
                 made float and normalized in this process (ImageFiles.normalize), as the scripts do on their device
-  pretrained    train_extras.datasets.ImageFiles with --pretrained's training transform (RandomResizedCrop(224) and flip, v2 on
+  pretrained    train_extras.datasets.ImageFiles with --pretrained's training transform (RandomResizedCrop(224)
+                and flip, v2 on
                 the uint8 tensor): the same work as the baseline, done the scripts' way
 Each pass runs twice in a row and the second is timed (the first starts the workers and fills the page cache).
 The rows are interleaved, repeat by repeat; the table shows medians and, for each pipeline, the median of its

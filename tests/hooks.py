@@ -21,7 +21,8 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
                            `go-dcp`, after which no save waits
     hung-rank<r>           rank r stops answering after its optimizer step TEST_HANG_AT ("rank:step"): an hour's
                            sleep, which a signal's Python handler does not end (the file holds its pid)
-Each optimizer step takes TEST_STEP_S seconds more (a slow model). The TEST_FAIL_SAVE-th checkpoint that a process writes with torch.save
+Each optimizer step takes TEST_STEP_S seconds more (a slow model). The TEST_FAIL_SAVE-th checkpoint that a process
+writes with torch.save
 fails, as on a full disk; the TEST_FAIL_METRICS-th row appended to metrics.jsonl, as over a disk quota ("n"), or as
 on a disk that fills up mid-row ("n:short": half of it written).
 """
@@ -279,7 +280,8 @@ class Hooks:
     """The hooks (see the module's docstring) for the processes a test starts with `env`, and their marks."""
 
     def __init__(self, tmp_path, **settings):
-        """settings: pause_at=step, stall_save=n, fail_save=n, fail_metrics=n or "n:short", stall_dcp=n, hang_at="rank:step",
+        """settings: pause_at=step, stall_save=n, fail_save=n, fail_metrics=n or "n:short", stall_dcp=n,
+        hang_at="rank:step",
         step_s=seconds."""
         site, self.dir = Path(tmp_path) / "site", Path(tmp_path) / "marks"
         site.mkdir(exist_ok=True)

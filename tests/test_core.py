@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, communicate, max_diff,
-                      metrics)
+                      metrics, worker_exit_codes)
 
 SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process)
     "ddp_launch_train.py": "torchrun",
@@ -39,6 +39,7 @@ MINE = r'''
 """My own data and model."""
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,11 +60,13 @@ class Points(Dataset):
         return len(self.y)
 
     def __getitem__(self, i):
+        if os.environ.get("MINE_WORKER_HANGS") and torch.utils.data.get_worker_info():
+            time.sleep(3600)  # the test's hook: a DataLoader worker that never answers
         return self.x[i], int(self.y[i])
 
 
 def load_data(args):
-    return Points(args.train_size or 512, 1), Points(args.val_size or 200, 2)
+    return Points(512, 1), Points(200, 2)  # (--train-size is train_extras/datasets.py's)
 
 
 class Net(nn.Module):
@@ -117,7 +120,7 @@ class Tokens(Dataset):
 
 
 def load_data(args):
-    return Tokens(args.train_size or 1024, 1), Tokens(args.val_size or 256, 2)
+    return Tokens(1024, 1), Tokens(256, 2)
 
 
 class Net(nn.Module):
@@ -211,7 +214,7 @@ def error_lines(p):
 # each process (--workers 0), but for the run of test_..._it_learns_..., which reads it with the default 2 workers
 # per process: ddp_spawn_train.py's children start theirs with the `spawn` method, anew for each loader and epoch,
 # which takes minutes on a busy 2-core machine
-TINY = ["--train-size", 512, "--val-size", 200, "--epochs", 2, "--lr", 0.05]
+TINY = ["--epochs", 2, "--lr", 0.05]
 STEPS_PER_EPOCH, STEPS = 16, 32
 
 
@@ -353,6 +356,28 @@ def test_copied_alone_an_extra_not_copied_is_one_line_and_exit_2(script, tmp_pat
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py"])
+def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one_line_exit_3(script, mine_copy,
+                                                                                            tmp_path):
+    """Every DataLoader worker of the copier's Dataset sleeps forever in its first sample (a deadlock, a stuck network
+    read): at the first batch of the run, in one process (dp_train.py) and under torchrun (every worker), the run ends
+    after --step-timeout seconds with one `error:` line and exit 3, and no process is left."""
+    how, out = SCRIPTS[script], tmp_path / "run"
+    t = time.monotonic()
+    p = launch(mine_copy(script), script, *flags(script, workers=2), "--step-timeout", 5, "--out-dir", out, how=how,
+               env={"MINE_WORKER_HANGS": "1"}, timeout=120)
+    if how == "torchrun":  # the rank whose wait runs out first exits 3; the other too, or stops on torchrun's SIGTERM
+        codes = worker_exit_codes(p.stderr)
+        assert p.returncode == 1 and 3 in codes.values() and set(codes.values()) <= {3, 143}, p.stderr[-3000:]
+    else:
+        assert_exit(p, 3)
+    lines = error_lines(p)  # each rank that timed out says so, once
+    assert 1 <= len(lines) <= PROCESSES[how] and not tracebacks(p), p.stderr[-3000:]
+    assert all("DataLoader timed out after 5.0 seconds (--step-timeout)" in line for line in lines), p.stderr[-3000:]
+    assert time.monotonic() - t < 60 and not (out / "last.pt").exists()
+
+
 # ---- 2. a Python without the Linux-only APIs
 NOT_LINUX = r'''
 """A Python without Linux's os.sched_getaffinity, fcntl, resource, SIGUSR1/SIGUSR2/SIGHUP/SIGQUIT and
@@ -436,7 +461,7 @@ def test_a_transformer_over_int64_tokens_trains_through_a_copied_script_with_cha
                                                                                                    tmp_path):
     folder = copy_alone(tmp_path / "project", script, MINE_TEXT)
     out = tmp_path / "run"
-    p = ok(launch(folder, script, "--train-size", 1024, "--val-size", 256, "--epochs", 2, "--batch-size", 16,
+    p = ok(launch(folder, script, "--epochs", 2, "--batch-size", 16,
                   "--optimizer", "adamw", "--lr", 0.003, "--channels-last", "--out-dir", out, how="torchrun"))
     assert not tracebacks(p), p.stderr[-3000:]
     rows = metrics(out)

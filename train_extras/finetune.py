@@ -1,5 +1,6 @@
-"""--pretrained, --weights FILE and --freeze-backbone: the model a script built, given its starting weights and
-frozen where asked, before the script moves it to the device and wraps it (DDP, FSDP, DataParallel)."""
+"""--pretrained, --weights FILE and --freeze-backbone: the model a script built, given its starting
+weights and frozen where asked, before the script moves it to the device and wraps it (DDP, FSDP,
+DataParallel)."""
 import functools
 import os
 import types
@@ -11,23 +12,40 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 import common
 from train_extras import models
 
-AUX_LOGITS = ("googlenet", "inception_v3")  # as train_extras/models.py builds them: no auxiliary outputs
+AUX_LOGITS = ("googlenet", "inception_v3")  # as models.py builds them: no auxiliary outputs
+
+
+def add_flags(parser):
+    tune = parser.add_mutually_exclusive_group().add_argument
+    tune("--pretrained", action="store_true", help="start from the torchvision model's ImageNet "
+         "weights, a new head")
+    tune("--weights", help="start from this state_dict or checkpoint: the tensors that match by "
+         "name and shape")
+    parser.add_argument("--freeze-backbone", action="store_true", help="train only the "
+                        "classifier head")
 
 
 def prepare(model, run):
-    """`model` with the starting weights the flags ask for, frozen but for its head with --freeze-backbone.
-    --weights is read on rank 0 only (nodes need not share a filesystem): DDP's wrapping, or the script, gives its
-    weights to the others."""
+    """`model` with the starting weights the flags ask for, frozen but for its head with
+    --freeze-backbone (common.fine_tune). --weights is read on rank 0 only (nodes need not share a
+    filesystem): DDP's wrapping, or the script, gives its weights to the others."""
     args = run.args
+    if not (args.pretrained or args.weights or args.freeze_backbone):
+        return model
+    if not (args.pretrained or args.weights):
+        raise common.UsageError("--freeze-backbone needs --pretrained or --weights: a random "
+                                "backbone is not worth freezing")
     channels, classes = models.channels_and_classes(run.train_set)
     head = head_names(args.model, channels, classes, model)
-    if args.pretrained:  # one process per machine downloads them into the torch hub cache; then every rank reads it
-        weights = pretrained_weights(args.model)  # every rank alike: a UsageError for a model without weights
+    # one process per machine downloads them into the torch hub cache; then every rank reads it
+    if args.pretrained:
+        # every rank alike: a UsageError for a model without weights
+        weights = pretrained_weights(args.model)
         common.on_rank0(lambda: fetch_pretrained(args.model), run.local_rank)  # once per machine
         model = load_pretrained(model, args.model, head)
         if run.rank == 0:
-            print(f"{weights}: every tensor loaded but the new head for {classes} classes ({', '.join(sorted(head))})",
-                  flush=True)
+            print(f"{weights}: every tensor loaded but the new head for {classes} classes "
+                  f"({', '.join(sorted(head))})", flush=True)
     if args.weights:
         common.on_rank0(lambda: load_weights(model, args, head), run.rank)
     if args.freeze_backbone:
@@ -36,34 +54,38 @@ def prepare(model, run):
 
 
 def pretrained_weights(name):
-    """The default (best) ImageNet weights of torchvision's model `name`: their URL, preprocessing and metadata."""
+    """The default (best) ImageNet weights of torchvision's model `name`: their URL, preprocessing
+    and metadata."""
     import torchvision
     try:
         return torchvision.models.get_model_weights(name).DEFAULT
     except ValueError:  # cnn, or a model torchvision has no weights for
-        raise common.UsageError(f"--pretrained needs a torchvision model (e.g. --model resnet50): {name} has no "
-                                "pretrained weights") from None
+        raise common.UsageError(f"--pretrained needs a torchvision model (e.g. --model resnet50): "
+                                f"{name} has no pretrained weights") from None
 
 
 def fetch_pretrained(name):
-    """The default weights of `name` downloaded into the torch hub cache ($TORCH_HOME/hub/checkpoints), unless they
-    are there already."""
+    """The default weights of `name` downloaded into the torch hub cache
+    ($TORCH_HOME/hub/checkpoints), unless they are there already."""
     weights = pretrained_weights(name)
     path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
     try:
-        weights.get_state_dict(progress=True, check_hash=True)  # a download is checked against the hash in its name
+        # a download is checked against the hash in its name
+        weights.get_state_dict(progress=True, check_hash=True)
     except Exception as e:  # no network, a proxy, a truncated file...
         if os.path.exists(path):
-            raise common.UsageError(f"{path} could not be read ({type(e).__name__}): delete it to download it "
-                                    "again") from None
-        raise common.UsageError(f"could not download the {weights} weights ({type(e).__name__}): put "
-                                f"{os.path.basename(path)} (from {weights.url}) in {os.path.dirname(path)}") from None
+            raise common.UsageError(f"{path} could not be read ({type(e).__name__}): "
+                                    "delete it to download it again") from None
+        raise common.UsageError(f"could not download the {weights} weights ({type(e).__name__}): "
+                                f"put {os.path.basename(path)} (from {weights.url}) in "
+                                f"{os.path.dirname(path)}") from None
 
 
 def load_pretrained(model, name, head):
-    """torchvision's model `name` with its default weights, read from the cache, and `model`'s fresh head in place
-    of its own. Built by torchvision's builder, which also sets what the weights need
-    (vit_h_14's image size, inception's transform_input) and adapts older files (densenet's key names)."""
+    """torchvision's model `name` with its default weights, read from the cache, and `model`'s fresh
+    head in place of its own. Built by torchvision's builder, which also sets what the weights need
+    (vit_h_14's image size, inception's transform_input) and adapts older files (densenet's key
+    names)."""
     import torchvision
     weights = pretrained_weights(name)
     extra = dict(aux_logits=False) if name in AUX_LOGITS else {}
@@ -75,52 +97,60 @@ def load_pretrained(model, name, head):
 
 @functools.lru_cache
 def head_names(name, channels, classes, model=None):
-    """Names of the classifier head's tensors. Of the built-in model `name`: those whose shape depends on the number
-    of classes (found by building it for one class more on the meta device: no memory, no weights initialized, no
-    random numbers drawn). Of your own `model` (another than that): its last layer that has parameters."""
+    """Names of the classifier head's tensors. Of the built-in model `name`: those whose shape
+    depends on the number of classes (found by building it for one class more on the meta device:
+    no memory, no weights initialized, no random numbers drawn). Of your own `model` (another than
+    that): its last layer that has parameters."""
     try:
         with torch.device("meta"):
             a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
-    except NotImplementedError:  # a builder that computes its layer sizes with tensors (regnet): on the CPU
+    except NotImplementedError:  # a builder that sizes its layers with tensors (regnet): on the CPU
         with torch.random.fork_rng(devices=[]):
             a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
     shapes = lambda state: {k: v.shape for k, v in state.items()}  # noqa: E731
     if model is not None and shapes(model.state_dict()) != shapes(a):
-        last = [n for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None][-1]
-        return frozenset(f"{last}.{k}" if last else k for k, _ in model.get_submodule(last).named_parameters(
-            recurse=False))
+        last = [n for n, m in model.named_modules()
+                if next(m.parameters(recurse=False), None) is not None][-1]
+        return frozenset(f"{last}.{k}" if last else k
+                         for k, _ in model.get_submodule(last).named_parameters(recurse=False))
     return frozenset(k for k in a if a[k].shape != b[k].shape)
 
 
 def load_weights(model, args, head):
-    """--weights: the file's tensors loaded into `model` where name and shape match (a DDP `module.` or
-    torch.compile `_orig_mod.` prefix ignored); the others keep their fresh values (another head size, another
-    channel count), and one line says which. No match at all is an error, not a silently fresh model; so is a
-    backbone tensor left fresh under --freeze-backbone, which would freeze it at its random start."""
+    """--weights: the file's tensors loaded into `model` where name and shape match (a DDP `module.`
+    or torch.compile `_orig_mod.` prefix ignored); the others keep their fresh values (another head
+    size, another channel count), and one line says which. No match at all is an error, not a
+    silently fresh model; so is a backbone tensor left fresh under --freeze-backbone, which would
+    freeze it at its random start."""
     state, own = state_dict_in(args.weights), model.state_dict()
-    for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # torch.compile of DDP, or DDP of torch.compile
+    # torch.compile of DDP, or DDP of torch.compile
+    for prefix in ("_orig_mod.", "module.", "_orig_mod."):
         consume_prefix_in_state_dict_if_present(state, prefix)
-    hits = {k: v for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape == own[k].shape}
+    hits = {k: v for k, v in state.items()
+            if k in own and torch.is_tensor(v) and v.shape == own[k].shape}
     if not hits:
-        raise common.UsageError(f"{args.weights} holds no tensor of this --model's names and shapes: is it a "
-                                f"{model.__class__.__name__}?")
+        raise common.UsageError(f"{args.weights} holds no tensor of this --model's names and "
+                                f"shapes: is it a {model.__class__.__name__}?")
     fresh, unused = [k for k in own if k not in hits], [k for k in state if k not in own]
     frozen_fresh = [k for k in fresh if k not in head] if args.freeze_backbone else []
     if frozen_fresh:
-        raise common.UsageError(f"--freeze-backbone would freeze tensors that {args.weights} does not hold: "
-                                f"{listed(frozen_fresh)}")
+        raise common.UsageError(f"--freeze-backbone would freeze tensors that {args.weights} "
+                                f"does not hold: {listed(frozen_fresh)}")
     model.load_state_dict(hits, strict=False)
     print(f"{args.weights}: loaded {len(hits)} of the model's {len(own)} tensors"
           + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
-          + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""), flush=True)
+          + (f"; ignored from the file (no such name here): {listed(unused)}" if unused else ""),
+          flush=True)
 
 
 def state_dict_in(path):
-    """The model's state_dict in a file: this collection's checkpoint, another tool's ("state_dict"), or one alone."""
+    """The model's state_dict in a file: this collection's checkpoint, another tool's
+    ("state_dict"), or one alone."""
     ckpt = common.read_checkpoint(path)
     state = ckpt.get("model", ckpt.get("state_dict", ckpt)) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
-        raise common.UsageError(f"{path} holds no state_dict (no 'model' or 'state_dict' entry of tensors)")
+        raise common.UsageError(f"{path} holds no state_dict "
+                                "(no 'model' or 'state_dict' entry of tensors)")
     return dict(state)
 
 
@@ -129,15 +159,18 @@ def listed(names):
 
 
 def freeze_backbone(model, head):
-    """Only the head's parameters keep requires_grad: done before wrapping, DDP then leaves the others out of its
-    gradient buckets. The backbone's BatchNorm layers stay in eval mode, model.train() or not: they normalize with
-    the loaded running statistics, not each GPU's batch statistics, which would depend on the per-GPU batch size
-    and drift from what the weights were trained with."""
+    """Only the head's parameters keep requires_grad: done before wrapping, DDP then leaves the
+    others out of its gradient buckets. The backbone's BatchNorm layers stay in eval mode,
+    model.train() or not: they normalize with the loaded running statistics, not each GPU's batch
+    statistics, which would depend on the per-GPU batch size and drift from what the weights were
+    trained with."""
     for name, p in model.named_parameters():
         p.requires_grad_(name in head)
     for name, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not any(k.startswith(f"{name}.") for k in head):
-            m.train = types.MethodType(stay_in_eval, m)  # this instance's train(), which Module.train() calls
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
+                not any(k.startswith(f"{name}.") for k in head):
+            # this instance's train(), which Module.train() calls
+            m.train = types.MethodType(stay_in_eval, m)
             m.eval()
 
 

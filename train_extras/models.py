@@ -1,5 +1,5 @@
-"""--model: cnn (the default, a small 2-conv net) or any classification model of torchvision, for this data's
-classes and channels: what common.make_model returns."""
+"""--model: cnn (the default, a small 2-conv net) or any classification model of torchvision, for
+this data's classes and channels: what common.make_model returns."""
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -8,7 +8,7 @@ import common
 
 
 class Net(nn.Module):
-    """The 2-conv net of the MNIST tutorials, without dropout; the adaptive pool takes any image size."""
+    """The MNIST tutorials' 2-conv net, without dropout; the adaptive pool takes any image size."""
 
     def __init__(self, channels=1, classes=10):
         super().__init__()
@@ -22,33 +22,43 @@ class Net(nn.Module):
 
 
 def make(name, channels, classes):
-    """cnn, or torchvision's model `name` for `classes` classes, its first conv made for `channels` channels."""
+    """cnn, or torchvision's model `name` for `classes` classes, its first conv made for `channels`
+    channels."""
     if name == "cnn":
         return Net(channels, classes)
     import torchvision  # only for its models: the cnn does without
     if name not in torchvision.models.list_models(module=torchvision.models):
-        raise common.UsageError(f"unknown --model {name!r}: use cnn or a torchvision classification model, e.g. "
-                                "resnet18")
-    # googlenet and inception_v3 would return auxiliary outputs in training mode, which the loss does not take
-    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") else {}
+        raise common.UsageError(f"unknown --model {name!r}: use cnn or a torchvision "
+                                "classification model, e.g. resnet18")
+    # googlenet and inception_v3 would return auxiliary outputs in training mode, which the loss
+    # does not take
+    extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") \
+        else {}
     model = torchvision.models.get_model(name, num_classes=classes, **extra)
     parent, key, conv = next((p, k, m) for p in model.modules() for k, m in p.named_children()
                              if isinstance(m, nn.Conv2d))  # the first conv
     if channels != conv.in_channels:
-        setattr(parent, key, nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                                       bias=conv.bias is not None))
+        setattr(parent, key, nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride,
+                                       conv.padding, bias=conv.bias is not None))
     return model
 
 
 def channels_and_classes(ds):
-    """(x's first dimension, the classes: the dataset's `classes`, a count or the names; else the labels')."""
-    classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1]) if isinstance(ds, TensorDataset) else
+    """(x's first dimension, the classes: the dataset's `classes`, a count or the names; else the
+    labels')."""
+    classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1])
+                                                      if isinstance(ds, TensorDataset) else
                                                       max(int(y) for _, y in ds))
     if (classes := classes if isinstance(classes, int) else len(classes)) < 2:
         raise common.UsageError(f"the data holds {classes} class: a classifier needs at least 2")
     return ds[0][0].shape[0], classes
 
 
-def for_data(name, ds):
-    """make(), for the channels and classes of the dataset `ds` (common.make_model)."""
-    return make(name, *channels_and_classes(ds))
+def add_flags(parser):
+    parser.add_argument("--model", default="cnn", help="cnn (a small 2-conv net) or a torchvision "
+                        "classification model, e.g. resnet18")
+
+
+def for_data(args, ds):
+    """make(), for --model and the channels and classes of the dataset `ds` (common.make_model)."""
+    return make(args.model, *channels_and_classes(ds))

@@ -1,11 +1,14 @@
-"""Sharded checkpoints for fsdp_train.py (--ckpt-format dcp, --async-save): each save is a folder ckpt-<step>, written
-by every rank with torch.distributed.checkpoint (DCP), each rank its own shards, nothing gathered. It holds what a
-last.pt holds, under the same names (model, optimizer, scheduler, position, rng, args, world_size), so that it
-converts to a last.pt and back, in one process without a process group; and each rank's own buffers (buffers.<rank>:
-BatchNorm's statistics mid-epoch, which FSDP leaves to differ), restored to each rank at the same world size:
+"""Sharded checkpoints for fsdp_train.py (--ckpt-format dcp, --async-save): each save is a folder
+ckpt-<step>, written by every rank with torch.distributed.checkpoint (DCP), each rank its own
+shards, nothing gathered. It holds what a last.pt holds, under the same names (model, optimizer,
+scheduler, position, rng, args, world_size), so that it converts to a last.pt and back, in one
+process without a process group; and each rank's own buffers (buffers.<rank>: BatchNorm's
+statistics mid-epoch, which FSDP leaves to differ), restored to each rank at the same world size:
 
-    python -m train_extras.sharded runs/fsdp_train/ckpt-96 last.pt      # folder -> file (loads with weights_only=True)
-    python -m train_extras.sharded last.pt runs/fsdp_train/ckpt-96      # file -> folder
+    python -m train_extras.sharded runs/fsdp_train/ckpt-96 last.pt  # folder -> file
+    python -m train_extras.sharded last.pt runs/fsdp_train/ckpt-96  # file -> folder
+
+The file loads with weights_only=True.
 """
 import argparse
 import os
@@ -20,7 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
+                                                          _EmptyStateDictLoadPlanner)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -42,44 +46,49 @@ def folders(out_dir):
 
 
 def step(path, run):
-    """The optimizer step a checkpoint holds: a folder's from its name (ckpt-<step>), a last.pt's from its position
-    (its tensors mapped, not read). Not the files' times, which a copy changes."""
+    """The optimizer step a checkpoint holds: a folder's from its name (ckpt-<step>), a last.pt's
+    from its position (its tensors mapped, not read). Not the files' times, which a copy changes."""
     if os.path.isdir(path):
         return int(os.path.basename(path)[len("ckpt-"):])
     try:
         c = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return c["epoch"] * run.steps_per_epoch + c.get("samples_in_epoch", 0) // run.global_batch
-    except Exception:  # noqa: BLE001 unreadable: not the one to take (alone, common.find_checkpoint says why)
+    except Exception:  # noqa: BLE001 unreadable: not taken (alone, common.find_checkpoint says why)
         return -1
 
 
 class Saver:
-    """Every rank's saves. DCP is not atomic: it writes ckpt-<step>.tmp, renamed by rank 0 once complete; the newest
-    KEEP folders stay. --async-save: DCP copies this rank's state to host memory and writes it in a thread while
-    training goes on, its collectives on a gloo group of their own (on the training's they would interleave with its
-    collectives). The next save, and the end of the run, wait for it first."""
+    """Every rank's saves. DCP is not atomic: it writes ckpt-<step>.tmp, renamed by rank 0 once
+    complete; the newest KEEP folders stay. --async-save: DCP copies this rank's state to host
+    memory and writes it in a thread while training goes on, its collectives on a gloo group of
+    their own (on the training's they would interleave with its collectives). The next save, and
+    the end of the run, wait for it first."""
 
     def __init__(self, run):
         self.out_dir, self.rank, self.pending = run.out_dir, run.rank, None
         self.group = dist.new_group(backend="gloo") if run.args.async_save else None
 
     def save(self, run, sums, rngs, blocking=False):
-        """Every rank; rank 0's state dict also holds the rest of a last.pt. `blocking` (a run told to stop, the same
-        on every rank): complete when it returns, even with --async-save."""
+        """Every rank; rank 0's state dict also holds the rest of a last.pt. `blocking` (a run told
+        to stop, the same on every rank): complete when it returns, even with --async-save."""
         self.wait()
-        state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))  # this rank's shards
-        # and this rank's own buffers, under its rank: FSDP does not make them equal (the model's are rank 0's)
+        # this rank's shards
+        state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))
+        # and this rank's own buffers, under its rank: FSDP does not make them equal (the model's
+        # are rank 0's)
         state["buffers"] = {str(run.rank): dict(run.raw_model.named_buffers())}
         if run.rank == 0:
             state.update(scheduler=run.scheduler.state_dict(), **run.progress.state(sums), rng=rngs,
                          args=vars(run.args), world_size=run.world_size)
         tmp = os.path.join(self.out_dir, f"ckpt-{run.progress.step}.tmp")
-        # what every rank holds alike (BatchNorm's statistics, which may differ mid-epoch): rank 0's, as in last.pt
+        # what every rank holds alike (BatchNorm's statistics, which may differ mid-epoch):
+        # rank 0's, as in last.pt
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if self.group is None or blocking:
             self.complete(lambda: dcp.save(state, checkpoint_id=tmp, planner=planner), tmp)
         else:
-            self.pending = dcp.async_save(state, checkpoint_id=tmp, planner=planner, process_group=self.group), tmp
+            self.pending = dcp.async_save(state, checkpoint_id=tmp, planner=planner,
+                                          process_group=self.group), tmp
 
     def wait(self):  # the save in the background, if any, complete
         if self.pending:
@@ -87,30 +96,33 @@ class Saver:
             self.complete(future.result, tmp)
 
     def complete(self, write, tmp):
-        """write() on every rank, then commit. A rank's write that fails (a full disk) fails it on every rank (DCP
-        gathers the failures): one line, and no .tmp folder left."""
+        """write() on every rank, then commit. A rank's write that fails (a full disk) fails it on
+        every rank (DCP gathers the failures): one line, and no .tmp folder left."""
         try:
             write()
         except CheckpointException as e:
-            error = common.save_failed(tmp[:-len(".tmp")], next(iter(e.failures.values()))[0])  # (before the rmtree)
+            # (before the rmtree)
+            error = common.save_failed(tmp[:-len(".tmp")], next(iter(e.failures.values()))[0])
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error from None
         self.commit(tmp)
 
     def commit(self, tmp):
-        """Rank 0, once DCP has returned there: every rank's part is written (rank 0, DCP's coordinator, writes the
-        .metadata once every rank has reported)."""
+        """Rank 0, once DCP has returned there: every rank's part is written (rank 0, DCP's
+        coordinator, writes the .metadata once every rank has reported)."""
         if self.rank == 0:
-            shutil.rmtree(tmp[:-len(".tmp")], ignore_errors=True)  # the same step saved again (a resumed run)
+            # the same step saved again (a resumed run)
+            shutil.rmtree(tmp[:-len(".tmp")], ignore_errors=True)
             os.replace(tmp, tmp[:-len(".tmp")])
             for old in folders(self.out_dir)[:-KEEP]:
                 shutil.rmtree(old, ignore_errors=True)
 
 
 def find(run):
-    """Rank 0, before anything is written: what --resume names, or with 'auto' the highest step of last.pt and
-    complete folders; a folder's metadata (read) or a last.pt (common.find_checkpoint), checked. Saves cut short go."""
+    """Rank 0, before anything is written: what --resume names, or with 'auto' the highest step of
+    last.pt and complete folders; a folder's metadata (read) or a last.pt (common.find_checkpoint),
+    checked. Saves cut short go."""
     args, out_dir = run.args, run.out_dir
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):
@@ -118,25 +130,28 @@ def find(run):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     found, last, path = folders(out_dir), os.path.join(out_dir, "last.pt"), args.resume
     if found and not (args.resume or args.overwrite):
-        raise common.UsageError(f"{out_dir} holds the {os.path.basename(found[-1])} of an earlier run: --resume auto "
-                                "continues it, --overwrite replaces it, or give another --out-dir")
+        raise common.UsageError(f"{out_dir} holds the {os.path.basename(found[-1])} of an earlier "
+                                "run: --resume auto continues it, --overwrite replaces it, or give "
+                                "another --out-dir")
     if args.resume == "auto":
         path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
         return read(path, run)
-    return common.find_checkpoint(types.SimpleNamespace(**{**vars(run), "args": argparse.Namespace(**{
-        **vars(args), "resume": path})}))
+    return common.find_checkpoint(types.SimpleNamespace(
+        **{**vars(run), "args": argparse.Namespace(**{**vars(args), "resume": path})}))
 
 
 def read(path, run):
-    """Rank 0: a folder's metadata (all but the model and optimizer) with "sharded": its path, checked against this
-    run as common.find_checkpoint checks a last.pt."""
+    """Rank 0: a folder's metadata (all but the model and optimizer) with "sharded": its path,
+    checked against this run as common.find_checkpoint checks a last.pt."""
     saved = metadata(path)
-    names = saved.planner_data  # {flattened name: its path in the state dict, e.g. ("model", "fc1.weight")}
+    # {flattened name: its path in the state dict, e.g. ("model", "fc1.weight")}
+    names = saved.planner_data
     meta, keys = {}, {p[0] for p in names.values()} - {"model", "optimizer", "buffers"}
-    _load_state_dict(meta, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
-                     no_dist=True)  # rank 0 alone
-    shapes = {names[k][1]: torch.Size(m.size) for k, m in saved.state_dict_metadata.items() if names[k][0] == "model"}
+    _load_state_dict(meta, storage_reader=FileSystemReader(path),
+                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)  # rank 0 alone
+    shapes = {names[k][1]: torch.Size(m.size) for k, m in saved.state_dict_metadata.items()
+              if names[k][0] == "model"}
     has_optimizer = ("optimizer", "param_groups") in {p[:2] for p in names.values()}
     common.check_fits(path, {**meta, "optimizer": None} if has_optimizer else meta, shapes, run)
     return {**meta, "sharded": path, "rank_buffers": "buffers" in {p[0] for p in names.values()}}
@@ -145,35 +160,43 @@ def read(path, run):
 def metadata(path):
     """A complete folder's DCP metadata; one line if it is not one."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise common.UsageError(f"{path} is not a complete sharded checkpoint (no .metadata): give another one")
+        raise common.UsageError(f"{path} is not a complete sharded checkpoint (no .metadata): "
+                                "give another one")
     return FileSystemReader(path).read_metadata()
 
 
 def load(meta, run):
-    """Every rank: the model and optimizer, each rank reading what its shards hold in this run's layout (at any world
-    size, HSDP or not); then the scheduler and random generators, as fsdp_train.resume does."""
+    """Every rank: the model and optimizer, each rank reading what its shards hold in this run's
+    layout (at any world size, HSDP or not); then the scheduler and random generators, as
+    fsdp_train.resume does."""
     seen = [None] * run.world_size
     dist.all_gather_object(seen, os.path.isdir(meta["sharded"]))
     if not all(seen):
-        raise common.UsageError(f"{meta['sharded']} is not there for rank(s) {[r for r, s in enumerate(seen) if not s]}"
-                                ": a sharded checkpoint must be on a filesystem that every rank sees")
-    state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))  # filled in place
+        raise common.UsageError(f"{meta['sharded']} is not there for rank(s) "
+                                f"{[r for r, s in enumerate(seen) if not s]}: a sharded checkpoint "
+                                "must be on a filesystem that every rank sees")
+    # filled in place
+    state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))
     dcp.load(state, checkpoint_id=meta["sharded"])
-    set_state_dict(run.raw_model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(run.raw_model, run.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
     if meta["rank_buffers"] and meta["world_size"] == run.world_size:
         # each rank's own buffers as it left them (a mid-epoch save): rank 0's came with the model
-        dcp.load({"buffers": {str(run.rank): dict(run.raw_model.named_buffers())}}, checkpoint_id=meta["sharded"])
+        dcp.load({"buffers": {str(run.rank): dict(run.raw_model.named_buffers())}},
+                 checkpoint_id=meta["sharded"])
     run.scheduler.load_state_dict(meta["scheduler"])
     common.restore_rng(meta, run)
 
 
 def to_file(src, dst):
-    """A folder as one last.pt (format_utils.dcp_to_torch_save), in this process, which must hold all of it."""
+    """A folder as one last.pt (format_utils.dcp_to_torch_save), in this process, which must hold
+    all of it."""
     tmp, paths = f"{dst}.tmp{os.getpid()}", {p[:2] for p in metadata(src).planner_data.values()}
     try:
         dcp_to_torch_save(src, tmp)
         if ("optimizer", "param_groups") in paths and ("optimizer", "state") not in paths:
-            # DCP keeps no empty dict: an optimizer without state (SGD without momentum) came back without "state"
+            # DCP keeps no empty dict: an optimizer without state (SGD without momentum) came back
+            # without "state"
             ckpt = torch.load(tmp, weights_only=True)
             torch.save({**ckpt, "optimizer": {"state": {}, **ckpt["optimizer"]}}, tmp)
         os.replace(tmp, dst)
@@ -183,8 +206,8 @@ def to_file(src, dst):
 
 
 def to_folder(src, dst):
-    """A last.pt as a folder, in this process: format_utils.torch_save_to_dcp, but read with weights_only=True (no
-    code in the file runs)."""
+    """A last.pt as a folder, in this process: format_utils.torch_save_to_dcp, but read with
+    weights_only=True (no code in the file runs)."""
     if os.path.exists(dst):
         raise common.UsageError(f"{dst} exists: give a new folder")
     ckpt = common.read_checkpoint(src)
@@ -193,9 +216,11 @@ def to_folder(src, dst):
 
 
 if __name__ == "__main__":
-    warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled ...": one process, as meant
+    # "torch.distributed is disabled ...": one process, as meant
+    warnings.simplefilter("ignore", UserWarning)
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m train_extras.sharded FOLDER FILE, or FILE FOLDER (see its docstring)")
+        sys.exit("usage: python -m train_extras.sharded FOLDER FILE, or FILE FOLDER "
+                 "(see its docstring)")
     try:
         (to_file if os.path.isdir(sys.argv[1]) else to_folder)(*sys.argv[1:])
     except common.UsageError as e:

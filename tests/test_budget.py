@@ -1,0 +1,102 @@
+"""The core's size, held: what a copier carries is one script plus common.py, and the guarantees of
+the README's list must fit in it. A change that needs more room raises a limit here, in the open,
+with the reason in its commit, rather than cutting a kept guarantee. Measured in plain Python (no
+package needed: this never skips); the linter (ruff, pinned in pyproject.toml) runs here too."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, clean_env
+
+CORE_LINES, CORE_BYTES = 620, 31_000  # common.py
+PAYLOAD = {"dp_train.py": 49_000, "ddp_launch_train.py": 49_000, "ddp_spawn_train.py": 49_000,
+           "ddp_amp_train.py": 49_000, "fsdp_train.py": 56_000}  # a script plus common.py, bytes
+COLUMNS = 100  # in what a copier reads: common.py, the scripts, train_extras/
+NL = b"\n"
+
+
+def read(root, name):
+    with open(os.path.join(root, name), "rb") as f:
+        return f.read()
+
+
+def copied_files(root):
+    extras = sorted(f"train_extras/{n}" for n in os.listdir(os.path.join(root, "train_extras"))
+                    if n.endswith(".py"))
+    return ["common.py", *PAYLOAD, *extras]
+
+
+def over_budget(root):
+    """Every limit that the tree at `root` exceeds, one line each (none: within budget)."""
+    core = read(root, "common.py")
+    problems = [f"common.py: {n} {what}, over {limit}" for n, limit, what in [
+        (core.count(b"\n"), CORE_LINES, "lines"), (len(core), CORE_BYTES, "bytes")] if n > limit]
+    problems += [f"{script} + common.py: {len(read(root, script)) + len(core)} bytes, over {limit}"
+                 for script, limit in PAYLOAD.items() if len(read(root, script)) + len(core) > limit]
+    problems += [f"{name}:{i}: {len(line)} columns, over {COLUMNS}"
+                 for name in copied_files(root)
+                 for i, line in enumerate(read(root, name).decode().splitlines(), 1)
+                 if len(line) > COLUMNS]
+    return problems
+
+
+def test_the_core_and_each_payload_are_within_their_budget():
+    core = read(ROOT, "common.py")
+    print(f"\ncommon.py: {core.count(NL)} lines (at most {CORE_LINES}), {len(core)} bytes (at most "
+          f"{CORE_BYTES})")
+    for script, limit in PAYLOAD.items():
+        own = read(ROOT, script)
+        print(f"{script}: {own.count(NL)} lines, {len(own)} bytes; with common.py "
+              f"{len(own) + len(core)} bytes (at most {limit})")
+    assert over_budget(ROOT) == []
+
+
+def padded(tmp_path, lines, size):
+    """A copy of the tree whose common.py is padded (with comment lines) to `lines` lines and
+    `size` bytes, none over COLUMNS."""
+    for name in copied_files(ROOT):
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    core = read(ROOT, "common.py")
+    more_lines, more_bytes = lines - core.count(b"\n"), size - len(core)
+    assert 0 < more_lines * 2 <= more_bytes <= more_lines * (COLUMNS + 1)
+    widths = [more_bytes // more_lines] * more_lines
+    widths[-1] += more_bytes - sum(widths)
+    (tmp_path / "common.py").write_bytes(core + b"".join(b"#" * (w - 1) + b"\n" for w in widths))
+    return str(tmp_path)
+
+
+def test_the_budget_catches_one_line_and_one_byte_too_many(tmp_path):
+    core = read(ROOT, "common.py")
+    one_line_over = padded(tmp_path / "lines", CORE_LINES + 1, len(core) + 2 * (CORE_LINES + 1 -
+                                                                                   core.count(b"\n")))
+    assert over_budget(one_line_over) == [f"common.py: {CORE_LINES + 1} lines, over {CORE_LINES}"]
+    one_byte_over = padded(tmp_path / "bytes", CORE_LINES, CORE_BYTES + 1)
+    problems = over_budget(one_byte_over)
+    assert problems[0] == f"common.py: {CORE_BYTES + 1} bytes, over {CORE_BYTES}", problems
+    wide = tmp_path / "wide"
+    shutil.copytree(one_byte_over, wide)
+    (wide / "train_extras" / "models.py").write_text("x = 1  # " + "w" * (COLUMNS - 8) + "\n")
+    assert f"train_extras/models.py:1: {COLUMNS + 1} columns, over {COLUMNS}" in over_budget(str(wide))
+
+
+def ruff(*args, cwd=ROOT):
+    if shutil.which("ruff") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ruff")):
+        if os.environ.get("REQUIRE_LINT"):
+            pytest.fail("ruff is not installed: pip install --group lint")
+        pytest.skip("ruff is not installed (pip install --group lint)")
+    exe = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+    return subprocess.run([exe, "check", "--no-cache", *args], cwd=cwd, capture_output=True, text=True,
+                          env=clean_env())
+
+
+def test_the_linter_passes_and_holds_100_columns_in_what_a_copier_reads(tmp_path):
+    p = ruff(".")
+    assert p.returncode == 0, p.stdout + p.stderr
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)  # planted: a line one column over
+    (tmp_path / "common.py").write_text("x = 1  # " + "w" * (COLUMNS - 8) + "\n")
+    p = ruff("common.py", cwd=tmp_path)
+    assert p.returncode == 1 and "E501" in p.stdout, p.stdout + p.stderr

@@ -1,0 +1,29 @@
+"""A collective that timed out names the ranks that never arrived (torch's error names neither
+the collective nor the rank): common.hangs_named uses this where the file is. Without it, every
+rank still ends, with torch's own timeout error and exit 3."""
+import contextlib
+import time
+
+import common
+
+
+@contextlib.contextmanager
+def named(run):
+    """Each rank whose wait ran out marks itself in the store, waits for the others to, and reads
+    which never did."""
+    try:
+        yield
+    except RuntimeError as e:
+        if run.store is None or "timed out" not in str(e).lower().replace("timeout", "timed out"):
+            raise
+        try:
+            run.store.set(f"hung/{run.rank}", "")
+            time.sleep(5)  # the other ranks' waits run out at about the same time
+            arrived = [r for r in range(run.world_size) if run.store.check([f"hung/{r}"])]
+        except Exception:  # noqa: BLE001 whatever the store raises: it went with rank 0
+            raise common.UsageError("a collective timed out, and the store is gone with rank 0, "
+                                    "which held it", 3, None) from None
+        missing = ", ".join(str(r) for r in range(run.world_size) if r not in arrived)
+        time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others read
+        raise common.UsageError(f"a collective timed out: rank {missing} never arrived", 3,
+                                min(arrived)) from None
