@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
-EXTRAS = ("datasets", "models", "finetune", "tensorboard")  # train_extras/ that declare flags
+EXTRAS = ("datasets", "models", "finetune", "tensorboard")  # with flags of their own
 
 
 class UsageError(Exception):
@@ -166,6 +166,8 @@ def one_of_several():
 def device_type(asked, collectives=True):
     """--device, or torch's accelerator (not MPS with collectives: pytorch/pytorch#160732)."""
     found = getattr(torch.accelerator.current_accelerator(check_available=True), "type", None)
+    if asked not in (None, "cpu", found):
+        raise UsageError(f"--device {asked}, but torch finds no {asked} device here")
     return asked or (found if found and not (collectives and found == "mps") else "cpu")
 
 
@@ -255,8 +257,9 @@ def make_loader(ds, batches, run):
 def to_device(run, ds, x, y):
     """A batch on the device; uint8 images made float there by the dataset's `normalize`."""
     y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
-    x = x.float() if x.dtype == torch.float64 else x  # numpy's default dtype
-    x, y = x.to(run.device, non_blocking=True), y.to(run.device, torch.long, non_blocking=True)
+    x = x.float() if x.dtype == torch.float64 else x  # numpy's default
+    long = y.dtype if y.is_floating_point() else torch.long  # (a float label: torch's own error)
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, long, non_blocking=True)
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
     if run.args.channels_last and x.ndim == 4:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -294,7 +297,7 @@ def save_atomic(obj, path):
 
 
 def save_failed(path, e):
-    """Its line; torch's writer says only "unexpected pos" on a full disk: inferred from it."""
+    """Its line; on a full disk torch's writer says only "unexpected pos": inferred."""
     why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split("\n")[0]
     with contextlib.suppress(OSError):
         if shutil.disk_usage(os.path.dirname(path) or ".").free < 2**20:
@@ -339,7 +342,7 @@ def find_checkpoint(run):
 
 
 def check_fits(path, ckpt, shapes, run):
-    """`ckpt` if this run can continue it exactly, else one line."""
+    """`ckpt` if this run can continue it exactly."""
     a, args = ckpt.get("args", {}), run.args
     frozen = a.get("freeze_backbone", False) != getattr(args, "freeze_backbone", False)
     if shapes != {k: v.shape for k, v in run.raw_model.state_dict().items()} or \

@@ -81,8 +81,8 @@ def adapted_copy(folder, my_project, extras=()):
 @pytest.mark.floor
 def test_a_copy_trains_your_own_dataset_and_model(tmp_path):
     out = tmp_path / "out"
-    p = run(adapted_copy(tmp_path, MY_PROJECT), "--epochs", 3, "--batch-size", 16, "--lr", 0.05, "--out-dir", out,
-            launcher="torchrun", nproc=2)
+    p = run(adapted_copy(tmp_path, MY_PROJECT), "--epochs", 3, "--batch-size", 16, "--lr", 0.05, "--workers", 0,
+            "--out-dir", out, launcher="torchrun", nproc=2)
     rows = metrics(str(out))
     assert [r["val_count"] for r in rows] == [90] * 3, rows  # every validation sample once, over both ranks
     assert rows[-1]["val_acc"] > 0.9 and rows[-1]["train_loss"] < rows[0]["train_loss"], rows  # chance is 1/3
@@ -116,7 +116,7 @@ def test_a_model_that_leaves_parameters_unused_trains_with_find_unused_parameter
     """DDP waits for every parameter's gradient: without the flag such a model fails at its second step with DDP's
     own error (which names its keyword argument, find_unused_parameters=True), and every rank ends."""
     script = adapted_copy(tmp_path, UNUSED)
-    args = ["--epochs", 1, "--batch-size", 16, "--max-steps", 3, "--out-dir", tmp_path / "out"]
+    args = ["--epochs", 1, "--batch-size", 16, "--max-steps", 3, "--workers", 0, "--out-dir", tmp_path / "out"]
     p = run(script, *args, launcher="torchrun", nproc=2, check=False)
     assert p.returncode != 0 and "find_unused_parameters=True" in p.stderr, p.stderr[-3000:]
     assert set(worker_exit_codes(p.stderr).values()) == {1}, p.stderr[-3000:]
@@ -218,8 +218,8 @@ def test_a_sample_that_cannot_train_ends_every_rank_with_torchs_own_error(tmp_pa
     """A mistake in the copier's own Dataset (three values where the script unpacks two) surfaces as PyTorch's or
     Python's own error: every rank ends, none hangs, nothing is saved."""
     script = adapted_copy(tmp_path, MY_PROJECT.replace("return x, int(self.y[i])", "return x, int(self.y[i]), i"))
-    p = run(script, "--epochs", 1, "--batch-size", 16, "--out-dir", tmp_path / "out", launcher="torchrun", nproc=2,
-            check=False, timeout=120)
+    p = run(script, "--epochs", 1, "--batch-size", 16, "--workers", 0, "--out-dir", tmp_path / "out",
+            launcher="torchrun", nproc=2, check=False, timeout=120)
     assert p.returncode == 1 and "too many values to unpack" in p.stderr, p.stderr[-3000:]
     assert set(worker_exit_codes(p.stderr).values()) <= {1, -15}, p.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "last.pt")

@@ -44,6 +44,13 @@ def test_the_default_device_and_backend_are_torchs_for_this_machines_accelerator
     assert common.pick_backend(ns(device=device, backend="gloo")) == "gloo"
 
 
+@pytest.mark.parametrize("kind, asked", [(None, "cuda"), ("cuda", "xpu")])
+def test_a_device_this_machine_cannot_give_is_one_line(monkeypatch, kind, asked):
+    fake_accelerator(monkeypatch, kind)
+    with pytest.raises(common.UsageError, match=f"^--device {asked}, but torch finds no {asked} device here$"):
+        common.device_type(asked)
+
+
 def test_dp_with_device_cpu_on_a_gpu_machine_trains_on_the_cpu(monkeypatch):
     """nn.DataParallel given no GPU raises IndexError inside torch on a machine with CUDA: --device cpu (the GPU
     report's CPU reference) must not build one. CUDA faked as DataParallel itself sees it."""
