@@ -25,9 +25,11 @@ def start(ds):
     if not AFFECTED or "forkserver" not in multiprocessing.get_all_start_methods():
         return {}
     context = multiprocessing.get_context("forkserver")
-    main = vars(sys.modules["__main__"]).values()
+    # what the script imported, and what the Dataset's attributes come from (a torchvision transform
+    # is imported where the Dataset is made): Python 3.11's own preload of __main__ finds none of them
+    main, own = vars(sys.modules["__main__"]).values(), getattr(ds, "__dict__", {}).values()
     imported = {v.__name__ if inspect.ismodule(v) else getattr(v, "__module__", None)
-                for v in [ds, *main]}  # Python 3.11's own preload of __main__ finds none of them
+                for v in [ds, *own, *main]}
     context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str)
                                           and not m.startswith("_")))
     return dict(multiprocessing_context=context, worker_init_fn=leave_server)
