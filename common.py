@@ -26,7 +26,7 @@ EXTRAS = ("datasets", "models", "finetune", "tensorboard")  # with flags of thei
 
 
 class UsageError(Exception):
-    """Ends the run: printed by rank `printer` (None: each that raises it), then exit `code`."""
+    """Ends the run: printed by rank `printer` (None: each that raises it), exit `code`."""
 
     def __init__(self, message, code=2, printer=0):
         super().__init__(message)
@@ -35,7 +35,7 @@ class UsageError(Exception):
 
 # ---- the command line: the same flags in every script
 def number(kind, low, above=False):
-    """An argparse type: a number at least `low` (above it, if `above`), not NaN nor inf."""
+    """An argparse type: a number at least `low` (above, if `above`), not NaN nor inf."""
     def parse(text):
         value = kind(text)
         if not ((low < value) if above else (low <= value)) or value == math.inf:
@@ -50,11 +50,11 @@ class Parser(argparse.ArgumentParser):
     one_process = None  # why a launcher is wrong, for a script that starts its own processes
     collectives = True  # dp_train.py: no process group
 
-    def error(self, message):  # one line, printed once, exit 2
+    def error(self, message):  # one line, exit 2
         raise UsageError(f"{message} (see {self.prog} --help)")
 
     def parse_args(self, *a, **kw):
-        if self.one_process and (launcher := one_of_several()):  # before the old launcher's flag
+        if self.one_process and (launcher := one_of_several()):  # before its --local-rank
             raise UsageError(f"{self.prog} {self.one_process}: start it with python, not "
                              f"{launcher}")
         args = super().parse_args(*a, **kw)
@@ -118,7 +118,7 @@ def optional(name, what):
 
 
 # ---- who this process is, and on what device, under every launcher
-LAUNCHERS = {  # how a launcher names (rank, world size, local rank, local world size)
+LAUNCHERS = {  # how a launcher names (rank, world size, local rank, local size)
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # any env:// launch
     "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
@@ -126,7 +126,7 @@ LAUNCHERS = {  # how a launcher names (rank, world size, local rank, local world
 
 
 def launcher_env():
-    """(rank, world size, local rank, local world size, launcher) from the environment."""
+    """(rank, world size, local rank, local size, launcher), from the environment."""
     env = os.environ
     launcher, names = next(((k, v) for k, v in LAUNCHERS.items() if {*v[:2]} & {*env}),
                            (None, None))
@@ -134,7 +134,7 @@ def launcher_env():
         return srun_env(env) if "SLURM_STEP_NUM_TASKS" in env else (0, 1, 0, 1, None)
     if not (names[0] in env and names[1] in env):
         raise UsageError(f"{names[0]} and {names[1]} go together: set both")
-    if launcher == "torchrun" and "LOCAL_RANK" not in env:  # by hand, a Kubernetes PyTorchJob
+    if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a Kubernetes PyTorchJob
         launcher = "env:// (no LOCAL_RANK: one process per machine)"
     world = int(env[names[1]])
     if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
@@ -145,7 +145,7 @@ def launcher_env():
 
 
 def srun_env(env):
-    """For an srun task: rank 0 is met on the step's first node."""
+    """An srun task's: rank 0 is met on the step's first node."""
     counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # "8(x2),4"
     per_node = [int(n) for count, times in counts for n in [count] * int(times or 1)]
     first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)
@@ -185,7 +185,7 @@ def pick_backend(args):
 
 
 def same_flags(args, allowed=("out_dir", "data_dir", "workers", "tensorboard", "local_rank")):
-    """Every rank runs rank 0's flags but the per-machine ones."""
+    """Every rank runs rank 0's flags, but the per-machine ones."""
     mine = {k: v for k, v in vars(args).items() if k not in allowed}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -196,7 +196,7 @@ def same_flags(args, allowed=("out_dir", "data_dir", "workers", "tensorboard", "
 
 
 def set_threads_and_math(local_world_size, deterministic):
-    """The cores shared among the machine's processes (torchrun does so only with several)."""
+    """The cores shared among the machine's processes (torchrun: only with several)."""
     if "OMP_NUM_THREADS" not in os.environ:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux only
         cores = len(affinity(0)) if affinity else os.cpu_count()
@@ -207,7 +207,7 @@ def set_threads_and_math(local_world_size, deterministic):
 
 
 def on_rank0(fn, rank):
-    """fn() where `rank` is 0, while the others wait; its UsageError raised on every rank."""
+    """fn() where `rank` is 0, while the others wait; its UsageError raised everywhere."""
     result, errors = None, [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     try:
         result = fn() if rank == 0 else None
@@ -227,17 +227,17 @@ def load_data(args, download=False):
 
 
 def make_model(args, data):
-    """train_extras/models.py's (cnn, the default, or a torchvision model), made for `data`."""
+    """train_extras/models.py's model for `data` (cnn by default)."""
     return optional("models", "the built-in models").for_data(args, data)
 
 
 def fine_tune(model, run):
-    """--pretrained, --weights, --freeze-backbone: train_extras/finetune.py's, where copied."""
+    """--pretrained, --weights: train_extras/finetune.py's, where copied."""
     return module.prepare(model, run) if (module := extra("finetune")) else model
 
 
 def make_loader(ds, batches, run):
-    """A DataLoader over `batches`; in-memory tensors: one index a batch, on the accelerator if
+    """A DataLoader over `batches`; tensors in memory: one index a batch, on the accelerator if
     they fit. Its own generator: not the one dropout draws from."""
     if not isinstance(ds, TensorDataset):
         workers = run.args.workers
@@ -245,8 +245,8 @@ def make_loader(ds, batches, run):
         return DataLoader(ds, batch_sampler=batches, num_workers=workers, **start,
                           generator=torch.Generator(), pin_memory=run.device.type != "cpu",
                           timeout=run.args.step_timeout if workers else 0)
-    if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:
-        ds.tensors = tuple(t.to(run.device) for t in ds.tensors)  # once, not every step
+    if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:  # copied once
+        ds.tensors = tuple(t.to(run.device) for t in ds.tensors)
     # the epoch's indices there at once (a list would wait for the device at every step)
     index = torch.tensor([i for b in batches for i in b], dtype=torch.long,
                          device=ds.tensors[0].device)
@@ -258,7 +258,7 @@ def to_device(run, ds, x, y):
     """A batch on the device; uint8 images made float there by the dataset's `normalize`."""
     y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
     x = x.float() if x.dtype == torch.float64 else x  # numpy's default
-    long = y.dtype if y.is_floating_point() else torch.long  # (a float label: torch's own error)
+    long = y.dtype if y.is_floating_point() else torch.long  # (float: the loss's own error)
     x, y = x.to(run.device, non_blocking=True), y.to(run.device, long, non_blocking=True)
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
     if run.args.channels_last and x.ndim == 4:
@@ -297,7 +297,7 @@ def save_atomic(obj, path):
 
 
 def save_failed(path, e):
-    """Its line; on a full disk torch's writer says only "unexpected pos": inferred."""
+    """Its line (a full disk inferred: torch's writer says only "unexpected pos")."""
     why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split("\n")[0]
     with contextlib.suppress(OSError):
         if shutil.disk_usage(os.path.dirname(path) or ".").free < 2**20:
@@ -413,9 +413,9 @@ class Progress:
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums = torch.tensor(sums, dtype=self.exact, device=self.device)
-        self.loss_sum, self.norm_sum = self.sums.unbind()  # views: one in-place add a step each
+        self.loss_sum, self.norm_sum = self.sums.unbind()  # views: one add a step each
         self.t0 = self.t1 = None
-        tqdm.set_lock(threading.RLock())  # not tqdm's semaphore, which os._exit would leak
+        tqdm.set_lock(threading.RLock())  # not a semaphore, which os._exit would leak
         self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, leave=False,
                         desc=f"epoch {epoch + 1}", disable=None if self.rank == 0 else True)
 
@@ -437,7 +437,7 @@ class Progress:
 
     def check(self, every_rank):
         """Every --log-every steps (or CHECK_S s), or where all ask: one all-reduce of the first
-        NaN/inf step (stops all), a signal (returned), the seconds since the last check."""
+        NaN/inf step (stops all), a signal (returned), the seconds since the last one."""
         args = self.args
         if not (every_rank or self.step >= self.next_check):
             return None
@@ -496,7 +496,7 @@ def stopped(signum, step):
 
 
 def start_output(run):
-    """Rank 0: metrics.jsonl keeps the rows the checkpoint covers, but a half-written one."""
+    """Rank 0: metrics.jsonl keeps the rows the checkpoint covers (not a half-written one)."""
     path, rows = os.path.join(run.out_dir, "metrics.jsonl"), []
     if os.path.exists(path):
         for line in open(path).read().splitlines():
@@ -532,7 +532,7 @@ def log_epoch(run, row):
 
 # ---- how a run ends: an error one line, printed once, and its exit status
 def hangs_named(run):
-    """train_extras/hangs.py's, where copied: a timed-out collective names the missing ranks."""
+    """train_extras/hangs.py's, where copied: a timed-out collective names its missing ranks."""
     return module.named(run) if (module := extra("hangs")) else contextlib.nullcontext()
 
 
@@ -545,11 +545,11 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:
         code = say(e, rank)
-    except Exception as e:  # noqa: BLE001 every rank ends
+    except Exception as e:  # every rank ends
         why = str(e).strip().split("\n")[0]
         if received not in (0, getattr(signal, "SIGUSR1", None)):  # told to stop; a peer left
             code = 128 + received
-        elif "timed out" in why.lower():  # a collective, a DataLoader worker
+        elif "timed out" in why.lower():  # a collective, a worker
             code = say(UsageError(f"{why} (--step-timeout): a rank or a worker stopped answering",
                                   3, None), rank)
         else:
@@ -567,13 +567,13 @@ def run(main, parse_args):
 
 
 def say(e, rank):
-    """`e` printed by the rank it names; its exit status."""
+    """`e` printed by its rank; its exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: neither a launcher's SIGTERM
     if hasattr(signal, "SIGCHLD"):  # nor the DataLoader's check of its workers cuts it short
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if printer := e.printer in (None, rank):
         print(e if e.code == 0 or e.code > 128 else f"error: {e}", file=sys.stderr, flush=True)
     # rank 0 says why before the others exit; before the process group, torchrun's SIGTERM
-    # would kill peers that are still starting (exit -15, not 2)
+    # would kill peers still starting (exit -15, not 2)
     time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)
     return e.code

@@ -110,7 +110,7 @@ def test_bad_input_other_scripts(tmp_path, script):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py", "ddp_amp_train.py"])
+@pytest.mark.parametrize("script", ["dp_train.py"])  # the DDP scripts share ddp_launch_train.py's (test_bad_input)
 def test_the_other_scripts_refuse_sharded_checkpoints_in_one_line_naming_the_conversion(previous_run, script,
                                                                                         tmp_path):
     p = run(script, *TINY, "--ckpt-format", "dcp", "--out-dir", tmp_path / "a", check=False)

@@ -17,7 +17,8 @@ import sys
 
 # the first release of each line with the fix; 3.12 and later never had the bug
 FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
-AFFECTED = sys.version_info < (3, 12) and sys.version_info[2] < FIXED.get(sys.version_info[:2], 99)
+AFFECTED = sys.version_info < (3, 12) and \
+    sys.version_info[2] < FIXED.get(sys.version_info[:2], 99)
 
 
 def start(ds):
@@ -25,8 +26,8 @@ def start(ds):
     if not AFFECTED or "forkserver" not in multiprocessing.get_all_start_methods():
         return {}
     context = multiprocessing.get_context("forkserver")
-    # what the script imported, and what the Dataset's attributes come from (a torchvision transform
-    # is imported where the Dataset is made): Python 3.11's own preload of __main__ finds none of them
+    # what the script imported, and what the Dataset's attributes come from (a torchvision
+    # transform is imported where the Dataset is made): Python 3.11's preload of __main__ finds none
     main, own = vars(sys.modules["__main__"]).values(), getattr(ds, "__dict__", {}).values()
     imported = {v.__name__ if inspect.ismodule(v) else getattr(v, "__module__", None)
                 for v in [ds, *own, *main]}
