@@ -255,7 +255,7 @@ def make_loader(ds, batches, run):
 
 
 def to_device(run, ds, x, y):
-    """A batch on the device; uint8 images made float there by the dataset's `normalize`."""
+    """A batch on the device; uint8 images made float there by their `normalize`."""
     y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
     x = x.float() if x.dtype == torch.float64 else x  # numpy's default
     long = y.dtype if y.is_floating_point() else torch.long  # (float: the loss's own error)
