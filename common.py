@@ -267,7 +267,7 @@ def to_device(run, ds, x, y):
 
 
 def make_optimizer(args, model, steps_per_epoch):
-    """The optimizer and its per-step schedule: linear warmup, then cosine to 0."""
+    """The optimizer and its per-step schedule: linear warmup, cosine to 0."""
     params = [p for p in model.parameters() if p.requires_grad]
     kw = dict(weight_decay=args.weight_decay, foreach=True)
     optimizer = torch.optim.AdamW(params, args.lr, **kw) if args.optimizer == "adamw" else \
