@@ -110,8 +110,8 @@ def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_process
     p = run("ddp_launch_train.py", *data, *[a for a in FINETUNE if a != "--freeze-backbone"], "--batch-size", 8,
             "--resume", full / "last.pt", "--out-dir", tmp_path / "other", env=env, check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        f"error: {full / 'last.pt'} is not a training state of this model and flags (another --model, classes or "
-        "channels, --freeze-backbone; or weights only: give it to --weights)"]
+        f"error: {full / 'last.pt'} is not a training state of this model and flags (--model, classes, channels, "
+        "--freeze-backbone?): --weights takes weights"]
 
 
 def test_pretrained_on_grayscale_data_keeps_the_first_layer(torch_home, tmp_path):
