@@ -243,11 +243,11 @@ def mine_copy(tmp_path_factory):
     return get
 
 
-# the default --workers 2 where the processes start another way (one process, torchrun's, mp.spawn's children,
-# whose workers start by `spawn` and import mine.py anew); the scripts under torchrun alike (ddp_amp, fsdp) read the
-# data in the process. Forked workers on this Python (3.11.7, without train_extras/workers.py) may rarely deadlock
-# (python/cpython#112275): 40 worker starts in all here
-WORKERS = {"dp_train.py": 2, "ddp_launch_train.py": 2, "ddp_spawn_train.py": 2, "ddp_amp_train.py": 0,
+# DataLoader workers where the processes start another way: the default 2 in one process and under torchrun; 1 in
+# mp.spawn's children, whose workers start by `spawn` and import mine.py anew (seconds each, every loader); the
+# scripts under torchrun alike (ddp_amp, fsdp) read the data in the process. Forked workers on this Python (3.11.7,
+# without train_extras/workers.py) may rarely deadlock (python/cpython#112275): 24 forked starts in all here
+WORKERS = {"dp_train.py": 2, "ddp_launch_train.py": 2, "ddp_spawn_train.py": 1, "ddp_amp_train.py": 0,
            "fsdp_train.py": 0}
 
 
@@ -375,10 +375,16 @@ def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one
                                                                                             tmp_path):
     """Every DataLoader worker of the copier's Dataset sleeps forever in its first sample (a deadlock, a stuck network
     read): at the first batch of the run, in one process (dp_train.py) and under torchrun (every worker), the run ends
-    after --step-timeout seconds with one `error:` line and exit 3, and no process is left."""
-    how, out = SCRIPTS[script], tmp_path / "run"
+    after --step-timeout seconds with one `error:` line and exit 3, and no process is left. Under torchrun with
+    train_extras/hangs.py copied too, which must leave a DataLoader's timeout alone (not "rank N never arrived")."""
+    how, out, folder = SCRIPTS[script], tmp_path / "run", mine_copy(script)
+    if how == "torchrun":
+        folder = shutil.copytree(folder, tmp_path / "project")
+        (folder / "train_extras").mkdir()
+        for name in ("__init__.py", "hangs.py"):
+            shutil.copy(os.path.join(ROOT, "train_extras", name), folder / "train_extras")
     t = time.monotonic()
-    p = launch(mine_copy(script), script, *flags(script, workers=2), "--step-timeout", 5, "--out-dir", out, how=how,
+    p = launch(folder, script, *flags(script, workers=2), "--step-timeout", 5, "--out-dir", out, how=how,
                env={"MINE_WORKER_HANGS": "1"}, timeout=120)
     if how == "torchrun":  # the rank whose wait runs out first exits 3; the other too, or stops on torchrun's SIGTERM
         codes = worker_exit_codes(p.stderr)
@@ -476,7 +482,8 @@ def test_a_transformer_over_int64_tokens_trains_through_a_copied_script_with_cha
     folder = copy_alone(tmp_path / "project", script, MINE_TEXT)
     out = tmp_path / "run"
     p = ok(launch(folder, script, "--epochs", 2, "--batch-size", 16,
-                  "--optimizer", "adamw", "--lr", 0.003, "--channels-last", "--out-dir", out, how="torchrun"))
+                  "--optimizer", "adamw", "--lr", 0.003, "--channels-last", "--workers", 0, "--out-dir", out,
+                  how="torchrun"))
     assert not tracebacks(p), p.stderr[-3000:]
     rows = metrics(out)
     assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["val_count"] == 256, rows
