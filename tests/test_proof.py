@@ -34,9 +34,10 @@ from conftest import checkpoint, max_diff, metrics, run
 # a value that recurs: on an AVX-512 Xeon (Sapphire Rapids, 2026-11-26, torch 2.15.0) 3 processes against 1 (2
 # against 1: 3e-8), and there with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA) 2 against 1 as well. The smallest
 # defect planted in a script, its last optimizer step skipped, moves them by 1.24e-5 on the same machine: the
-# tolerance sits between the two
+# tolerance sits between the two. The same flip moves the momentum buffers by 2.36e-4 (else at most 1.04e-5); the
+# step skipped, by 0.32
 NOISE = 3.79e-6
-DDP = dict(tol=6e-6, momentum_tol=20 * 1.04e-5, loss_tol=20 * 6e-8)
+DDP = dict(tol=6e-6, momentum_tol=5e-4, loss_tol=20 * 6e-8)
 # FSDP's reduce-scatter adds up the gradients in another order: 1.75e-7 (weights), 6.1e-7 (losses) against DDP
 FSDP = dict(tol=20 * 1.75e-7, momentum_tol=20 * 1.04e-5, loss_tol=20 * 6.1e-7)
 # torch.compile fuses and reorders more: 3.8e-6 (weights), 2.4e-4 (momentum), 4.9e-7 (losses) against eager; 10
