@@ -241,7 +241,7 @@ def make_loader(ds, batches, run):
     they fit. Its own generator: not the one dropout draws from."""
     if not isinstance(ds, TensorDataset):
         workers = run.args.workers
-        start = extra("workers").start(ds) if workers and extra("workers") else {}
+        start = module.start(ds) if workers and (module := extra("workers")) else {}
         return DataLoader(ds, batch_sampler=batches, num_workers=workers, **start,
                           generator=torch.Generator(), pin_memory=run.device.type != "cpu",
                           timeout=run.args.step_timeout if workers else 0)
