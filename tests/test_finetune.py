@@ -180,7 +180,7 @@ def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):
     torch.save(theirs, tmp_path / "w.pt")
     model = models.make("cnn", 3, 10)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    head = finetune.head_names("cnn", 3, 10)
+    head = finetune.head_names(model, "cnn")
     assert head == {"fc2.weight", "fc2.bias"}
     args = types.SimpleNamespace(weights=str(tmp_path / "w.pt"), model="cnn", freeze_backbone=True)
     with pytest.raises(common.UsageError, match="--freeze-backbone would freeze tensors that .* does not hold: "
@@ -203,16 +203,24 @@ def test_the_head_of_your_own_model_is_its_last_layer_whatever_its_names():
             super().__init__()
             self.body, self.fc2 = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU()), torch.nn.Linear(32, 32)
             self.classifier = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(32, 4))
-    assert finetune.head_names("cnn", 1, 4, Mine()) == {"classifier.1.weight", "classifier.1.bias"}
-    assert finetune.head_names("cnn", 1, 10, models.make("cnn", 1, 10)) == {"fc2.weight", "fc2.bias"}
+    assert finetune.head_names(Mine(), "cnn") == {"classifier.1.weight", "classifier.1.bias"}
+    assert finetune.head_names(Mine()) == {"classifier.1.weight", "classifier.1.bias"}  # no models.py
+    assert finetune.head_names(models.make("cnn", 1, 4), "cnn") == {"fc2.weight", "fc2.bias"}
 
+
+def test_the_built_in_model_counts_labels_of_one_element():
+    """Your own Dataset with models.py's model, which counts its classes (no `classes` attribute): labels as numpy
+    gives them, int32 arrays of one element, count as the loop takes them (common.to_device)."""
+    import numpy as np
+    mine = [(np.zeros((1, 8, 8)), np.array([label], dtype=np.int32)) for label in (0, 2, 1)]
+    assert models.channels_and_classes(mine) == (1, 3)
 
 def test_a_frozen_backbone_trains_only_its_head_and_its_batchnorm_stays_in_eval_mode():
     """After freezing, only the head's parameters want gradients, and model.train() (which every epoch calls)
     leaves the backbone's BatchNorm layers in eval mode: they keep the loaded running statistics."""
     torch.manual_seed(0)
     model = models.make("resnet18", 3, 3)
-    head = finetune.head_names("resnet18", 3, 3)
+    head = finetune.head_names(model, "resnet18")
     assert head == {"fc.weight", "fc.bias"}
     finetune.freeze_backbone(model, head)
     model.train()
@@ -254,3 +262,4 @@ def test_pretrained_preprocessing_is_the_weights_own(images):
     batch = train.normalize(torch.stack([flat, flat]))
     assert batch.dtype == torch.float32 and torch.allclose(batch, colour[:, None, None].expand(2, 3, 64, 64), atol=1e-5)
     assert val.normalize(x) is x  # validation is float already: left as it is
+

@@ -50,7 +50,8 @@ def load(args, download=False):
     if args.dataset == "synthetic":
         return synthetic_sets(args)
     weights = None
-    if getattr(args, "pretrained", False):
+    if getattr(args, "pretrained", False):  # (then finetune.py is there: the flag is its)
+        common.optional("models", "--pretrained")  # the weights are --model's, a flag of models.py
         weights = common.optional("finetune", "--pretrained").pretrained_weights(args.model)
     if args.dataset == "imagefolder":
         return image_folder(args, weights, download)

@@ -10,7 +10,6 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import common
-from train_extras import models
 
 AUX_LOGITS = ("googlenet", "inception_v3")  # as models.py builds them: no auxiliary outputs
 
@@ -35,8 +34,9 @@ def prepare(model, run):
     if not (args.pretrained or args.weights):
         raise common.UsageError("--freeze-backbone needs --pretrained or --weights: a random "
                                 "backbone is not worth freezing")
-    channels, classes = models.channels_and_classes(run.train_set)
-    head = head_names(args.model, channels, classes, model)
+    if args.pretrained:  # the weights are --model's, a flag of models.py
+        common.optional("models", "--pretrained")
+    head = head_names(model, getattr(args, "model", None))
     # one process per machine downloads them into the torch hub cache; then every rank reads it
     if args.pretrained:
         # every rank alike: a UsageError for a model without weights
@@ -44,6 +44,8 @@ def prepare(model, run):
         common.on_rank0(lambda: fetch_pretrained(args.model), run.local_rank)  # once per machine
         model = load_pretrained(model, args.model, head)
         if run.rank == 0:
+            # a head tensor's first dimension: the classes (a Linear's or a 1x1 Conv2d's outputs)
+            classes = model.state_dict()[min(head)].shape[0]
             print(f"{weights}: every tensor loaded but the new head for {classes} classes "
                   f"({', '.join(sorted(head))})", flush=True)
     if args.weights:
@@ -95,25 +97,36 @@ def load_pretrained(model, name, head):
     return pretrained
 
 
+def head_names(model, name=None):
+    """Names of the classifier head's tensors. Of the built-in model `name` (--model, models.py's):
+    those whose shape depends on the number of classes. Of your own model (another than that, or
+    no models.py): its last layer that has parameters. Either way the model's own: no sample is
+    read to count the classes."""
+    if name is not None and (conv := common.extra("models").first_conv(model)):
+        shapes, head = built_in_head(name, conv[-1].in_channels)
+        own = {k: v.shape for k, v in model.state_dict().items()}
+        # the built-in model for any number of classes: its tensors, of its shapes but the head's
+        if own.keys() == shapes.keys() and {k for k in own if own[k] != shapes[k]} <= head:
+            return head
+    last = [n for n, m in model.named_modules()
+            if next(m.parameters(recurse=False), None) is not None][-1]
+    return frozenset(f"{last}.{k}" if last else k
+                     for k, _ in model.get_submodule(last).named_parameters(recurse=False))
+
+
 @functools.lru_cache
-def head_names(name, channels, classes, model=None):
-    """Names of the classifier head's tensors. Of the built-in model `name`: those whose shape
-    depends on the number of classes (found by building it for one class more on the meta device:
-    no memory, no weights initialized, no random numbers drawn). Of your own `model` (another than
-    that): its last layer that has parameters."""
+def built_in_head(name, channels):
+    """(The tensors' shapes, the head's names) of models.py's `name` for `channels` channels: built
+    for 2 and 3 classes on the meta device (no memory, no weights initialized, no random numbers
+    drawn), the head being what differs."""
+    make = common.extra("models").make
     try:
         with torch.device("meta"):
-            a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
+            a, b = (make(name, channels, n).state_dict() for n in (2, 3))
     except NotImplementedError:  # a builder that sizes its layers with tensors (regnet): on the CPU
         with torch.random.fork_rng(devices=[]):
-            a, b = (models.make(name, channels, n).state_dict() for n in (classes, classes + 1))
-    shapes = lambda state: {k: v.shape for k, v in state.items()}  # noqa: E731
-    if model is not None and shapes(model.state_dict()) != shapes(a):
-        last = [n for n, m in model.named_modules()
-                if next(m.parameters(recurse=False), None) is not None][-1]
-        return frozenset(f"{last}.{k}" if last else k
-                         for k, _ in model.get_submodule(last).named_parameters(recurse=False))
-    return frozenset(k for k in a if a[k].shape != b[k].shape)
+            a, b = (make(name, channels, n).state_dict() for n in (2, 3))
+    return {k: v.shape for k, v in a.items()}, frozenset(k for k in a if a[k].shape != b[k].shape)
 
 
 def load_weights(model, args, head):

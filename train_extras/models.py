@@ -1,5 +1,6 @@
 """--model: cnn (the default, a small 2-conv net) or any classification model of torchvision, for
 this data's classes and channels: what common.make_model returns."""
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -35,20 +36,27 @@ def make(name, channels, classes):
     extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") \
         else {}
     model = torchvision.models.get_model(name, num_classes=classes, **extra)
-    parent, key, conv = next((p, k, m) for p in model.modules() for k, m in p.named_children()
-                             if isinstance(m, nn.Conv2d))  # the first conv
+    parent, key, conv = first_conv(model)
     if channels != conv.in_channels:
         setattr(parent, key, nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride,
                                        conv.padding, bias=conv.bias is not None))
     return model
 
 
+def first_conv(model):
+    """(Its parent, its name, the first nn.Conv2d) of `model`, or None: the layer make() sizes for
+    the channels."""
+    return next(((p, k, m) for p in model.modules() for k, m in p.named_children()
+                 if isinstance(m, nn.Conv2d)), None)
+
+
 def channels_and_classes(ds):
     """(x's first dimension, the classes: the dataset's `classes`, a count or the names; else the
     labels')."""
+    # a label may be an array of one element, as common.to_device takes it
     classes = getattr(ds, "classes", None) or 1 + int(max(ds.tensors[1])
                                                       if isinstance(ds, TensorDataset) else
-                                                      max(int(y) for _, y in ds))
+                                                      max(torch.as_tensor(y).item() for _, y in ds))
     if (classes := classes if isinstance(classes, int) else len(classes)) < 2:
         raise common.UsageError(f"the data holds {classes} class: a classifier needs at least 2")
     return ds[0][0].shape[0], classes
