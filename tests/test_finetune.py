@@ -2,6 +2,7 @@
 --freeze-backbone. The "pretrained" weights are a generated resnet18 state_dict, saved where torchvision's cache
 looks for the real file ($TORCH_HOME/hub/checkpoints/<name from the weights' URL>): torchvision then loads it
 through its weights API with no download, which is the code path a user with the real file takes."""
+import shutil
 import types
 
 import pytest
@@ -263,3 +264,22 @@ def test_pretrained_preprocessing_is_the_weights_own(images):
     assert batch.dtype == torch.float32 and torch.allclose(batch, colour[:, None, None].expand(2, 3, 64, 64), atol=1e-5)
     assert val.normalize(x) is x  # validation is float already: left as it is
 
+
+def test_an_image_folder_copied_from_a_mac_trains_on_its_images_alone(images, tmp_path):
+    """A Mac's copy holds a ._<name> AppleDouble file (a few bytes, no image) beside each image, and a notebook
+    leaves a .ipynb_checkpoints folder: hidden files and folders (names that start with ".") are left out, as `ls`
+    leaves them, so none stops the run nor becomes a class."""
+    data = tmp_path / "data"
+    shutil.copytree(images, data)
+    for image in list(data.glob("*/*/*.png")):
+        (image.parent / f"._{image.name}").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    (data / "train" / ".ipynb_checkpoints").mkdir()
+    shutil.copy(data / "train" / "cat" / "0.png", data / "train" / ".ipynb_checkpoints" / "0-checkpoint.png")
+    (data / "train" / "dog" / ".thumbnails").mkdir()
+    shutil.copy(data / "train" / "dog" / "0.png", data / "train" / "dog" / ".thumbnails" / "0.png")
+    train = ImageFiles(data / "train", 16, True, 0)
+    assert train.classes == ["cat", "dog", "fox"] and len(train) == 24
+    out = tmp_path / "out"
+    run("dp_train.py", "--dataset", "imagefolder", "--data-dir", data, "--image-size", 16, "--workers", 0,
+        "--batch-size", 8, "--epochs", 1, "--out-dir", out)
+    assert metrics(str(out))[0]["val_count"] == 9 and checkpoint(str(out))["model"]["fc2.bias"].shape == (3,)

@@ -186,9 +186,8 @@ class ImageFiles(Dataset):
     made float by `normalize` on the device."""
 
     def __init__(self, root, size, augment, seed, weights=None):
-        from torchvision import datasets
         # its list of files and classes (read by pil_rgb or torchvision.io)
-        folder = datasets.ImageFolder(root)
+        folder = visible_folder(root)
         self.samples, self.classes = folder.samples, folder.classes
         self.seed, self.epoch = seed, 0
         self.transform, self.mean, self.std, self.as_pil = transforms(size, augment, weights)
@@ -240,6 +239,28 @@ class ImageFiles(Dataset):
         for c, (m, s) in enumerate(zip(self.mean, self.std)):
             x[:, c].sub_(255 * m).div_(255 * s)
         return x
+
+
+def visible_folder(root):
+    """torchvision's ImageFolder of root/<class>/<image> without what `ls` hides (names that start
+    with "."): a Mac's copy holds a ._<name> AppleDouble file beside each image, which no decoder
+    reads, and a .ipynb_checkpoints folder is no class."""
+    from torchvision import datasets
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
+    class Visible(datasets.ImageFolder):
+        def find_classes(self, directory):
+            classes = sorted(e.name for e in os.scandir(directory)
+                             if e.is_dir() and not e.name.startswith("."))
+            if not classes:
+                raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+            return classes, {c: i for i, c in enumerate(classes)}
+
+    def shown(path):  # below root: the folders above it may be hidden (~/.cache/...)
+        parts = os.path.relpath(path, os.path.expanduser(root)).split(os.sep)
+        return not any(p.startswith(".") for p in parts) and \
+            has_file_allowed_extension(path, IMG_EXTENSIONS)
+    return Visible(root, is_valid_file=shown)
 
 
 def pil_rgb(path):
