@@ -84,9 +84,8 @@ def get_parser(doc):
     a("--max-steps", type=positive, help="stop after this many optimizer steps in all")
     a("--grad-accum", type=positive, default=1, help="micro-batches per optimizer step")
     a("--out-dir", help="for metrics.jsonl and last.pt (default ./runs/<script name>)")
-    fresh = p.add_mutually_exclusive_group().add_argument
-    fresh("--resume", help="a checkpoint to continue, or 'auto': --out-dir's, if any")
-    fresh("--overwrite", action="store_true", help="start afresh, replacing --out-dir's")
+    a("--resume", help="a checkpoint to continue, or 'auto': --out-dir's, if any")
+    a("--overwrite", action="store_true", help="replace --out-dir's run (its checkpoints, metrics)")
     a("--save-every", type=positive, help="also save every N optimizer steps")
     a("--clip-grad", type=above0, metavar="NORM", help="clip the gradients' norm")
     a("--step-timeout", type=above0, default=300,
@@ -136,6 +135,8 @@ def launcher_env():
         raise UsageError(f"{names[0]} and {names[1]} go together: set both")
     if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a Kubernetes PyTorchJob
         launcher = "env:// (no LOCAL_RANK: one process per machine)"
+    if launcher == "torchrun" and any(a.startswith("--local") for a in sys.argv):  # --local-rank
+        launcher = "python -m torch.distributed.launch"
     world = int(env[names[1]])
     if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
         raise UsageError(f"{launcher}: {world} processes, but no MASTER_ADDR and MASTER_PORT: "
@@ -242,8 +243,9 @@ def make_loader(ds, batches, run):
     if not isinstance(ds, TensorDataset):
         workers = run.args.workers
         start = module.start(ds) if workers and (module := extra("workers")) else {}
-        return DataLoader(ds, batch_sampler=batches, num_workers=workers, **start,
-                          generator=torch.Generator(), pin_memory=run.device.type != "cpu",
+        return DataLoader(ds, batch_sampler=batches, num_workers=workers,
+                          **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
+                          pin_memory=run.device.type != "cpu",
                           timeout=run.args.step_timeout if workers else 0)
     if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:  # copied once
         ds.tensors = tuple(t.to(run.device) for t in ds.tensors)
@@ -252,6 +254,13 @@ def make_loader(ds, batches, run):
                          device=ds.tensors[0].device)
     return DataLoader(ds, sampler=index.split([len(b) for b in batches]), batch_size=None,
                       generator=torch.Generator())
+
+
+def deaf(_):
+    """A DataLoader worker's start: Ctrl-C and the stop signals reach a terminal's or a job's every
+    process, but only the trainer acts on them (it ends its workers)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def to_device(run, ds, x, y):
@@ -317,18 +326,11 @@ def read_checkpoint(path):
 def find_checkpoint(run):
     """Rank 0, first: the checkpoint --resume names, checked, or None."""
     args, path = run.args, os.path.join(run.out_dir, "last.pt")
-    try:
-        os.makedirs(run.out_dir, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}") from None
-    if os.path.exists(path) and not (args.resume or args.overwrite):  # never replaced unasked
-        raise UsageError(f"{run.out_dir} holds the last.pt of an earlier run: --resume auto "
-                         "continues it, --overwrite replaces it, or give another --out-dir")
-    if args.resume == "auto" and not os.path.exists(path):
-        print(f"--resume auto: no last.pt in {run.out_dir}, starting afresh", flush=True)
-        return None
-    if not args.resume:
-        return None
+    if not args.resume or args.resume == "auto" and not os.path.exists(path):
+        earlier = earlier_run(run)
+        if args.resume:
+            print(f"--resume auto: no last.pt in {run.out_dir}, starting afresh", flush=True)
+        return replace(earlier, run, None)
     path = path if args.resume == "auto" else args.resume
     if os.path.isfile(os.path.join(path, "last.pt")):  # its folder
         path = os.path.join(path, "last.pt")
@@ -338,7 +340,49 @@ def find_checkpoint(run):
     ckpt = read_checkpoint(path)
     model = ckpt.get("model") if isinstance(ckpt, dict) else None
     shapes = {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None
-    return check_fits(path, ckpt, shapes, run)
+    ckpt = check_fits(path, ckpt, shapes, run)
+    return replace(earlier_run(run), run, ckpt)
+
+
+def earlier_run(run):
+    """Rank 0: --out-dir, made; the checkpoints of an earlier run there (last.pt, fsdp_train.py's
+    ckpt-<step> folders), which only its own resume, or --overwrite, may replace; and whether
+    --resume names one of them."""
+    args, out = run.args, run.out_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out-dir {out}: {e.strerror}") from None
+    found = sorted(n for n in os.listdir(out) if re.fullmatch(r"last\.pt|ckpt-\d+(\.tmp)?", n))
+    real = os.path.realpath(args.resume or "")
+    own = args.resume == "auto" or os.path.realpath(out) in (real, os.path.dirname(real))
+    if args.overwrite and args.resume and own:
+        raise UsageError(f"--overwrite would delete the checkpoint that --resume {args.resume} "
+                         "continues: drop one of the two")
+    if found and args.resume and not (own or args.overwrite):  # a resume of another run's
+        raise UsageError(f"{out} holds the {found[-1]} of another run, which this one would "
+                         "replace: give another --out-dir, or --overwrite to replace it")
+    if found and not (args.resume or args.overwrite):  # never replaced unasked
+        raise UsageError(f"{out} holds the {found[-1]} of an earlier run: --resume auto "
+                         "continues it, --overwrite replaces it, or give another --out-dir")
+    return found, own
+
+
+def replace(earlier, run, ckpt):
+    """Rank 0, the checkpoint to resume checked: --overwrite deletes every checkpoint of the
+    earlier run and its metrics (one left, --resume auto would later continue it). `ckpt`'s row,
+    kept only where it is this --out-dir's and metrics.jsonl lacks it (a run stopped before that
+    epoch's evaluation); another's is in its own."""
+    found, own = earlier
+    for name in (found + ["metrics.jsonl"]) if run.args.overwrite else []:
+        if os.path.isdir(path := os.path.join(run.out_dir, name)):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    if ckpt and ckpt.get("row") and (not own or ckpt["row"]["step"] in [r["step"] for r in
+                                                                         rows(run)]):
+        ckpt["row"] = None
+    return ckpt
 
 
 def check_fits(path, ckpt, shapes, run):
@@ -358,7 +402,19 @@ def check_fits(path, ckpt, shapes, run):
     if (saved := ckpt.get("steps_per_epoch", run.steps_per_epoch)) != run.steps_per_epoch:
         raise UsageError(f"{path} was trained with {saved} steps per epoch, this run has "
                          f"{run.steps_per_epoch}: the data changed; keep it, or use --weights")
+    saved, now = ckpt.get("data", data_of(run)), data_of(run)  # its position names these samples
+    if k := next((k for k in now if saved.get(k) != now[k]), None):
+        what = "training samples" if k == "samples" else "--" + k.replace("_", "-")
+        raise UsageError(f"{path} was trained on other data ({what} {saved.get(k)}, this run's "
+                         f"{now[k]}): keep them, or start from its weights with --weights")
     return ckpt
+
+
+def data_of(run):
+    """What a saved position (an epoch, a step in it) holds to: the data and its order."""
+    a = run.args
+    return {"seed": a.seed, "samples": len(run.train_set), "dataset": getattr(a, "dataset", None),
+            "train_size": getattr(a, "train_size", None), "val_size": getattr(a, "val_size", None)}
 
 
 def rng_state(device):
@@ -380,13 +436,15 @@ def restore_rng(saved, run):
 
 # ---- where training stands, what the ranks agree on, and rank 0's output
 received = 0  # the stop signal this process got (a handler's only way out is a global)
-STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")
+                if hasattr(signal, n)]
 
 
 def note_signal(signum, _):
-    """Noted: every rank saves and stops at the next check. A second SIGTERM ends it at once."""
+    """Noted: every rank saves and stops at the next check. A second Ctrl-C ends it at once; a
+    SIGTERM again does not: torchrun passes each on, SLURM signals every process (it comes twice)"""
     global received
-    if signum != getattr(signal, "SIGUSR1", None):
+    if signum == signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)
     received = max(received, signum)
 
@@ -398,7 +456,8 @@ class Progress:
     def __init__(self, run, saved=None):
         self.args, self.rank, self.device = run.args, run.rank, run.device
         self.scheduler, self.steps_per_epoch = run.scheduler, run.steps_per_epoch
-        self.global_batch, saved = run.global_batch, saved or {"epoch": 0}
+        self.global_batch, self.saved = run.global_batch, saved is not None  # a checkpoint
+        saved = saved or {"epoch": 0}
         self.epoch = saved["epoch"]
         self.saved_sums = [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
         self.step_in_epoch = saved.get("samples_in_epoch", 0) // self.global_batch
@@ -406,10 +465,14 @@ class Progress:
         self.exact = torch.float32 if self.device.type == "mps" else torch.float64
         self.first_bad = torch.full((), self.NEVER, dtype=self.exact, device=self.device)
         self.next_check, self.checked = self.step + 1, None
+        self.stopping, self.row = 0, saved.get("row")  # a signal agreed on; a row to evaluate
+        self.data = data_of(run)
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
         for sig in STOP_SIGNALS if not received else []:  # now there is something to save
-            signal.signal(sig, note_signal)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's, spawn's children's Ctrl-C)
+                signal.signal(sig, note_signal)
+        self.row = None  # the epoch's metrics, once trained
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums = torch.tensor(sums, dtype=self.exact, device=self.device)
@@ -450,8 +513,8 @@ class Progress:
                 getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
                     datetime.timedelta(seconds=args.step_timeout))
         if (first_bad := -flags[0].item()) < self.NEVER:
-            raise UsageError(f"loss is NaN/inf at step {first_bad:.0f}: stopped, the last "
-                             "checkpoint is older", 1)
+            older = "the last checkpoint is older" if self.saved else "nothing was saved"
+            raise UsageError(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}", 1)
         per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf
         every = min(args.log_every - self.step % args.log_every,
                     max(1, int(self.CHECK_S / max(per_step, 1e-9))))
@@ -465,7 +528,16 @@ class Progress:
                       f"{self.steps_per_epoch}  " + "  ".join(map(" ".join, values.items())),
                       flush=True)
             self.bar.set_postfix(values, refresh=False)
-        return int(flags[1].item())
+        self.stopping = int(flags[1].item())
+        return self.stopping
+
+    def stop_agreed(self):
+        """A stop signal that any rank got: all-reduced where no check is due (an evaluation's
+        end)."""
+        flag = torch.tensor([received], dtype=self.exact, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     def clock(self):  # the accelerator's queued work is part of the time
         if self.device.type != "cpu":
@@ -476,16 +548,26 @@ class Progress:
         self.bar.close()
         self.t1 = self.clock()
 
+    def epoch_row(self, **row):
+        """The training half of the epoch's metrics row: saved with its checkpoint, before the
+        evaluation adds the other half (a run stopped then evaluates first when resumed)."""
+        self.row = {"epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch,
+                    "step": self.step, **row, "lr": self.scheduler.get_last_lr()[0],
+                    "samples_per_s": self.samples_per_s(),
+                    "epoch_time_s": self.t1 - self.t0[0] if self.t0 else 0.0}
+
     def samples_per_s(self):
         seconds = (self.t1 or self.clock()) - self.t0[0] if self.t0 else 0.0
         return (self.step - self.t0[1]) * self.global_batch / seconds if seconds > 0 else 0.0
 
     def state(self, sums):
+        self.saved = True
         epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
         return {"epoch": epoch, "step_in_epoch": steps,
                 "samples_in_epoch": steps * self.global_batch,
                 "steps_per_epoch": self.steps_per_epoch, "global_batch": self.global_batch,
-                "loss_sum": sums[0] if steps else 0.0, "grad_norm_sum": sums[1] if steps else 0.0}
+                "loss_sum": sums[0] if steps else 0.0, "grad_norm_sum": sums[1] if steps else 0.0,
+                "row": self.row, "data": self.data}
 
 
 def stopped(signum, step):
@@ -495,24 +577,28 @@ def stopped(signum, step):
                       0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum)
 
 
+def rows(run):
+    """Rank 0: metrics.jsonl's rows (not a half-written one)."""
+    path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
+    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            found += [row] if isinstance((row := json.loads(line))["step"], int) else []
+    return found
+
+
 def start_output(run):
-    """Rank 0: metrics.jsonl keeps the rows the checkpoint covers (not a half-written one)."""
-    path, rows = os.path.join(run.out_dir, "metrics.jsonl"), []
-    if os.path.exists(path):
-        for line in open(path).read().splitlines():
-            with contextlib.suppress(ValueError):
-                rows += [row] if (row := json.loads(line))["epoch"] <= run.progress.epoch else []
+    """Rank 0: metrics.jsonl keeps the rows of the steps the checkpoint covers."""
+    if os.path.exists(path := os.path.join(run.out_dir, "metrics.jsonl")):
+        kept = [r for r in rows(run) if r["step"] <= run.progress.step]
         with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.writelines(json.dumps(r) + "\n" for r in kept)
 
 
 def log_epoch(run, row):
     """Rank 0: the epoch's row in metrics.jsonl, on screen, and with --tensorboard there."""
-    p, device = run.progress, run.device
+    device = run.device
     peak = torch.accelerator.max_memory_allocated(device) if device.type in ("cuda", "xpu") else 0
-    row = {"epoch": p.epoch + p.step_in_epoch / p.steps_per_epoch, "step": p.step, **row,
-           "samples_per_s": p.samples_per_s(), "epoch_time_s": p.t1 - p.t0[0] if p.t0 else 0.0,
-           "peak_mem_mb": peak / 2**20 if peak else None}
+    row = {**row, "peak_mem_mb": peak / 2**20 if peak else None}
     path, line = os.path.join(run.out_dir, "metrics.jsonl"), (json.dumps(row) + "\n").encode()
     try:
         with open(path, "ab", buffering=0) as f:  # unbuffered: a failed write fails here
@@ -521,7 +607,7 @@ def log_epoch(run, row):
                 f.truncate(end)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     except OSError as e:  # a full disk, a quota, the folder gone
-        raise UsageError(f"could not write {path}: {e.strerror}; step {p.step} was saved") \
+        raise UsageError(f"could not write {path}: {e.strerror}; step {row['step']} was saved") \
             from None
     if getattr(run.args, "tensorboard", False):
         extra("tensorboard").log(run.out_dir, row)
@@ -545,6 +631,8 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:
         code = say(e, rank)
+    except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
+        code = say(UsageError("stopped by SIGINT before training: nothing was saved", 130), rank)
     except Exception as e:  # every rank ends
         why = str(e).strip().split("\n")[0]
         if received not in (0, getattr(signal, "SIGUSR1", None)):  # told to stop; a peer left

@@ -48,7 +48,6 @@ def refused(argv):
     (["--clip-grad", "0"], "argument --clip-grad: must be above 0"),
     (["--step-timeout", "0"], "argument --step-timeout: must be above 0"),
     (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
-    (["--overwrite", "--resume", "auto"], "argument --resume: not allowed with argument --overwrite"),
     (["--pretrained", "--weights", "w.pt"], "argument --weights: not allowed with argument --pretrained"),
 ])
 def test_the_parser_refuses_bad_flags_in_one_line(argv, words):
@@ -134,11 +133,12 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
     with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes"):
         common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64,
-                                   steps_per_epoch=8))
+                                   steps_per_epoch=8, train_set=range(512)))
     with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
         common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=32,
-                                  steps_per_epoch=8))
-    run = ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=64, steps_per_epoch=8)
+                                  steps_per_epoch=8, train_set=range(512)))
+    run = ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=64, steps_per_epoch=8,
+             train_set=range(512))
     assert common.find_checkpoint(run)["global_batch"] == 64
     torch.save({**ten, "steps_per_epoch": 16}, tmp_path / "ten.pt")  # a data set twice the size
     with pytest.raises(common.UsageError, match="ten.pt was trained with 16 steps per epoch, this run has 8: the "
@@ -150,7 +150,8 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     """--resume auto with nothing to resume says so and starts afresh; --resume <folder> takes the last.pt in it;
     another --optimizer than the checkpoint's is one line pointing to --weights (its state fits no other optimizer)."""
     model, out = models.make("cnn", 1, 10), str(tmp_path / "out")
-    run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64, steps_per_epoch=8)
+    run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64, steps_per_epoch=8,
+             train_set=range(512))
     assert common.find_checkpoint(run) is None
     assert capsys.readouterr().out == f"--resume auto: no last.pt in {out}, starting afresh\n"
     (tmp_path / "old").mkdir()
@@ -165,7 +166,8 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
 
 
 def test_a_checkpoint_keeps_its_position_in_samples():
-    run = ns(args=None, rank=0, scheduler=None, steps_per_epoch=10, global_batch=32, device=torch.device("cpu"))
+    run = ns(args=ns(seed=0), rank=0, scheduler=None, steps_per_epoch=10, global_batch=32, device=torch.device("cpu"),
+             train_set=range(320))
     progress = common.Progress(run, {"epoch": 1, "step_in_epoch": 3, "samples_in_epoch": 96, "loss_sum": 6.0})
     assert (progress.step, progress.step_in_epoch) == (13, 3)
     state = progress.state([6.0, 0.0])
@@ -202,9 +204,9 @@ def test_resume_auto_takes_the_highest_step_whatever_the_files_times(tmp_path, m
         (tmp_path / f"ckpt-{step}" / ".metadata").write_bytes(b"")
         time.sleep(0.01)
     torch.save({"epoch": 2, "samples_in_epoch": 4 * 64}, tmp_path / "last.pt")  # step 2 x 8 + 4 = 20
-    monkeypatch.setattr(sharded, "read", lambda path, run: path)  # the folder chosen, not read
+    monkeypatch.setattr(sharded, "read", lambda path, run: {"sharded": path})  # the folder chosen, not read
     run = ns(args=defaults(resume="auto"), out_dir=str(tmp_path), steps_per_epoch=8, global_batch=64)
-    assert sharded.find(run) == str(tmp_path / "ckpt-30")
+    assert sharded.find(run)["sharded"] == str(tmp_path / "ckpt-30")
 
 
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py", "fsdp_train.py"])

@@ -124,19 +124,15 @@ def find(run):
     last.pt and complete folders; a folder's metadata (read) or a last.pt (common.find_checkpoint),
     checked. Saves cut short go."""
     args, out_dir = run.args, run.out_dir
-    os.makedirs(out_dir, exist_ok=True)
+    earlier = common.earlier_run(run)  # which may not be replaced, or all of it with --overwrite
     for name in os.listdir(out_dir):
         if re.fullmatch(r"ckpt-\d+\.tmp", name):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     found, last, path = folders(out_dir), os.path.join(out_dir, "last.pt"), args.resume
-    if found and not (args.resume or args.overwrite):
-        raise common.UsageError(f"{out_dir} holds the {os.path.basename(found[-1])} of an earlier "
-                                "run: --resume auto continues it, --overwrite replaces it, or give "
-                                "another --out-dir")
     if args.resume == "auto":
         path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
-        return read(path, run)
+        return common.replace(earlier, run, read(path, run))
     return common.find_checkpoint(types.SimpleNamespace(
         **{**vars(run), "args": argparse.Namespace(**{**vars(args), "resume": path})}))
 

@@ -15,6 +15,8 @@ import multiprocessing
 import os
 import sys
 
+import common
+
 # the first release of each line with the fix; 3.12 and later never had the bug
 FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 AFFECTED = sys.version_info < (3, 12) and \
@@ -41,9 +43,10 @@ def leave_server(worker_id):
     and a worker runs while its parent, the server, does. Closed here, the server ends with the
     training process even when that is killed outright, and each worker within 5 s of the server
     (torch's check of its parent). There is no public way to do this: a private name, skipped
-    where it is missing."""
+    where it is missing. Then common.deaf's: the trainer alone acts on Ctrl-C and stop signals."""
     from multiprocessing import forkserver
     server = forkserver._forkserver
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
+    common.deaf(worker_id)

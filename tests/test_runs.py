@@ -1,0 +1,70 @@
+"""One --out-dir, one run: a resume never replaces another run's checkpoints or mixes two runs' metrics; --overwrite
+replaces the whole earlier run (every last.pt and ckpt-<step> folder), never part of it; a resume on other data (a
+seed, a size, a data set, a sample count) is refused, even where the steps per epoch agree."""
+import os
+
+import pytest
+
+from conftest import assert_exit, checkpoint, metrics, run
+
+ARGS = ["--epochs", 2, "--train-size", 256, "--val-size", 50, "--batch-size", 32]  # 8 steps an epoch
+
+
+def one_line(p):
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", "dp_train.py"])
+def test_a_resume_from_elsewhere_never_replaces_the_run_in_out_dir_and_overwrite_starts_its_metrics_afresh(
+        script, tmp_path):
+    y, x = tmp_path / "Y", tmp_path / "X"
+    run(script, *ARGS, "--lr", 0.05, "--out-dir", y)
+    run(script, *ARGS, "--epochs", 1, "--max-steps", 3, "--out-dir", x)
+    before, rows = (y / "last.pt").read_bytes(), (y / "metrics.jsonl").read_text()
+    p = run(script, *ARGS, "--out-dir", y, "--resume", x / "last.pt", check=False)
+    assert_exit(p, 2)
+    assert "give another --out-dir, or --overwrite" in one_line(p)
+    assert (y / "last.pt").read_bytes() == before and (y / "metrics.jsonl").read_text() == rows
+    p = run(script, *ARGS, "--out-dir", y, "--resume", "auto", "--overwrite", check=False)
+    assert_exit(p, 2)
+    assert "--overwrite would delete the checkpoint that --resume auto continues" in one_line(p)
+    assert (y / "last.pt").read_bytes() == before
+    if script == "dp_train.py":
+        return
+    log = run(script, *ARGS, "--out-dir", y, "--resume", x / "last.pt", "--overwrite").stdout
+    assert "resuming at step 3" in log
+    assert [r["step"] for r in metrics(y)] == [8, 16]  # Y's old rows gone; X's row of step 3 is X's
+    assert checkpoint(str(y))["args"]["lr"] == 0.01
+
+
+@pytest.mark.slow
+def test_fsdp_overwrite_replaces_every_checkpoint_of_the_earlier_run(tmp_path):
+    """Run A leaves ckpt-4, ckpt-8; run B (--overwrite, another seed) saves ckpt-4 only: no folder of A's stays, and
+    --resume auto continues B. A last.pt of A beside B's folders goes likewise."""
+    z = tmp_path / "Z"
+    b = ["--ckpt-format", "dcp", "--epochs", 1, "--train-size", 256, "--val-size", 32, "--batch-size", 16, "--out-dir",
+         z]
+    run("fsdp_train.py", *b, "--max-steps", 8, "--save-every", 4)
+    run("fsdp_train.py", *b, "--ckpt-format", "file", "--max-steps", 12, "--resume", "auto")  # and a last.pt
+    assert sorted(n for n in os.listdir(z) if n != "metrics.jsonl") == ["ckpt-4", "ckpt-8", "last.pt"]
+    run("fsdp_train.py", *b, "--max-steps", 4, "--overwrite", "--seed", 5)
+    assert sorted(os.listdir(z)) == ["ckpt-4", "metrics.jsonl"] and [r["step"] for r in metrics(z)] == [4]
+    log = run("fsdp_train.py", *b, "--max-steps", 6, "--seed", 5, "--resume", "auto").stdout
+    assert "resuming at step 4" in log and [r["step"] for r in metrics(z)] == [4, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", [["--seed", 3], ["--train-size", 280], ["--val-size", 60]],
+                         ids=lambda c: c[0])
+def test_a_resume_on_other_data_is_refused_even_with_the_same_steps_per_epoch(change, tmp_path):
+    out = tmp_path / "run"
+    run("ddp_launch_train.py", *ARGS, "--epochs", 1, "--out-dir", out)  # 256 and 280 samples: 8 steps of 32
+    before = (out / "last.pt").read_bytes()
+    p = run("ddp_launch_train.py", *ARGS, *change, "--resume", "auto", "--out-dir", out, check=False)
+    assert_exit(p, 2)
+    line = one_line(p)
+    assert "trained on other data" in line and "--weights" in line, line
+    assert (out / "last.pt").read_bytes() == before
