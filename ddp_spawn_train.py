@@ -209,34 +209,45 @@ def main(args):
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if progress.step >= end:  # a resume may find the run done
+    if progress.step >= end and not progress.row:  # a resume may find the run done
         if master:
             print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
         common.start_output(run)
-        print(f"ddp: {run.world_size} processes, backend {dist.get_backend()}, device "
-              f"{run.device.type}, global batch {run.global_batch}, started by {run.launcher}"
+        print(f"ddp: {run.world_size} process{'es' * (run.world_size > 1)}, backend "
+              f"{dist.get_backend()}, device {run.device.type}, global batch {run.global_batch}, "
+              f"started by {run.launcher}"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
+        if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+            evaluate_and_log(run)
         for epoch in range(progress.epoch, args.epochs):
+            if progress.step >= end:  # --max-steps
+                break
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # after training, ranks hold different BatchNorm running statistics: give everyone
             # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
-            t1 = time.time()
-            val, eval_time_s = evaluate(run), time.time() - t1
-            save(run)  # first: no metrics row for a step no checkpoint holds
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
-                   "world_size": run.world_size, "eval_time_s": eval_time_s,
-                   "grad_norm": args.clip_grad and grad_norm}
-            # a failed write: every rank stops
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
-            if progress.step == args.max_steps:
-                break
+            progress.epoch_row(train_loss=train_loss, world_size=run.world_size,
+                               grad_norm=args.clip_grad and grad_norm)
+            save(run)  # before the evaluation: a stop during it loses no training
+            evaluate_and_log(run)
+
+
+def evaluate_and_log(run):
+    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    last step ends the run before it, one during it after it: its checkpoint is saved."""
+    if stopping := run.progress.stopping:
+        raise common.stopped(stopping, run.progress.step)
+    t1 = time.time()
+    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
+    if stopping := run.progress.stop_agreed():
+        raise common.stopped(stopping, run.progress.step)
 
 
 def prepare(args):
@@ -256,15 +267,21 @@ def prepare(args):
 def launch(args):
     """The parent: starts the children, passes the stop signals on to them (a scheduler signals this
     process only) and waits. A child that fails ends the others (mp.spawn's join), and its exit
-    status is the parent's."""
+    status is the parent's. Ctrl-C, which a terminal sends to every process, only the parent takes:
+    the first is a SIGTERM to the children, a second kills them."""
     prepare(args)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the children start ignoring it (pass_on below)
     children = mp.spawn(child, args=(args,), nprocs=args.nprocs, join=False)
+    interrupted = []
 
     def pass_on(signum, _):
+        if signum == signal.SIGINT:  # Ctrl-C: a SIGTERM to the children; a second: killed
+            interrupted.append(signum)
+            signum = signal.SIGTERM if len(interrupted) == 1 else getattr(signal, "SIGKILL", 15)
         for c in children.processes:
             if c.is_alive():
                 os.kill(c.pid, signum)
-    for signum in common.STOP_SIGNALS:  # SIGUSR1, SIGTERM, SIGHUP (Windows: SIGTERM only)
+    for signum in common.STOP_SIGNALS:  # SIGUSR1, SIGTERM, SIGHUP, SIGINT (Windows: no SIGUSR1)
         signal.signal(signum, pass_on)
     try:
         # a child failed: the others' own way out first, then SIGTERM
@@ -274,7 +291,8 @@ def launch(args):
         # the child said why (129, 143: stopped by a signal); else: say so
         if e.exit_code not in (1, 2, 3, 129, 143):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code if e.exit_code > 0 else 1)  # killed by a signal (a negative status): 1
+        # killed by a signal (a negative status): 1; after Ctrl-C, 130
+        sys.exit(130 if interrupted else e.exit_code if e.exit_code > 0 else 1)
     finally:  # Ctrl-C, or an error of the parent's own: no child left running
         for c in children.processes:
             if c.is_alive():

@@ -219,7 +219,7 @@ def main(args):
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if progress.step >= end:  # a resume may find the run done
+    if progress.step >= end and not progress.row:  # a resume may find the run done
         if master:
             print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
@@ -230,20 +230,30 @@ def main(args):
               f"global batch {run.global_batch}"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
+        if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+            evaluate_and_log(run)
         for epoch in range(progress.epoch, args.epochs):
+            if progress.step >= end:  # --max-steps
+                break
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # [dp] one process holds the model's only copy: no BatchNorm statistics to broadcast
-            t1 = time.time()
-            val, eval_time_s = evaluate(run), time.time() - t1
-            save(run)  # first: no metrics row for a step no checkpoint holds
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
-                   "eval_time_s": eval_time_s, "world_size": run.world_size,
-                   "gpus": run.gpus, "grad_norm": grad_norm if args.clip_grad else None}  # [dp]
-            # a failed write: every rank stops
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
-            if progress.step == args.max_steps:
-                break
+            progress.epoch_row(train_loss=train_loss, world_size=run.world_size, gpus=run.gpus,
+                               grad_norm=grad_norm if args.clip_grad else None)  # [dp]
+            save(run)  # before the evaluation: a stop during it loses no training
+            evaluate_and_log(run)
+
+
+def evaluate_and_log(run):
+    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    last step ends the run before it, one during it after it: its checkpoint is saved."""
+    if stopping := run.progress.stopping:
+        raise common.stopped(stopping, run.progress.step)
+    t1 = time.time()
+    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
+    if stopping := run.progress.stop_agreed():
+        raise common.stopped(stopping, run.progress.step)
 
 
 if __name__ == "__main__":

@@ -303,6 +303,20 @@ def save(run, blocking=False):
                     run.rank)
 
 
+def evaluate_and_log(run):
+    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    last step ends the run before it, one during it after it: its checkpoint is saved."""
+    if stopping := run.progress.stopping:
+        raise common.stopped(stopping, run.progress.step)
+    t1 = time.time()
+    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
+    if stopping := run.progress.stop_agreed():
+        if run.sharded:  # [fsdp] the save in the background, whole first
+            run.sharded.wait()
+        raise common.stopped(stopping, run.progress.step)
+
+
 def local_bytes(tensors):
     """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, gradient, moment)
     its shard."""
@@ -334,7 +348,7 @@ def main(args):
     saved = resume(run)
     run.progress = progress = common.Progress(run, saved)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if progress.step >= end:  # a resume may find the run done
+    if progress.step >= end and not progress.row:  # a resume may find the run done
         if master:
             print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
@@ -343,33 +357,32 @@ def main(args):
         common.start_output(run)
         hsdp = (f"HSDP: {args.replicate} copies of "  # [fsdp]
                 f"{run.world_size // args.replicate} shards, ")
-        print(f"fsdp: {run.world_size} processes, backend {dist.get_backend()}, device "  # [fsdp]
-              f"{run.device.type}, global batch {run.global_batch}, started by {run.launcher}, "
+        print(f"fsdp: {run.world_size} process{'es' * (run.world_size > 1)}, "  # [fsdp]
+              f"backend {dist.get_backend()}, device {run.device.type}, global batch "
+              f"{run.global_batch}, started by {run.launcher}, "
               f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
               f"reshard after forward, {hsdp * (args.replicate > 1)}"
               f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
               + (f", resuming at step {progress.step}" if progress.step else ""))
     with common.hangs_named(run):  # a rank that stops answering: named
+        if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+            evaluate_and_log(run)
         for epoch in range(progress.epoch, args.epochs):
+            if progress.step >= end:  # --max-steps
+                break
             progress.start_epoch(epoch)
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # after training, ranks hold different BatchNorm running statistics: give everyone
             # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
-            t1 = time.time()
-            val, eval_time_s = evaluate(run), time.time() - t1
-            save(run, blocking=progress.step == end)  # [fsdp] first: no row for an unsaved step
-            # (the last save whole before its row even with --async-save; an earlier one may fail
-            # after its row)
-            row = {"train_loss": train_loss, **val, "lr": run.scheduler.get_last_lr()[0],
-                   "world_size": run.world_size, "eval_time_s": eval_time_s,
-                   "grad_norm": args.clip_grad and grad_norm}
-            row.update(held_bytes(run))  # [fsdp] param_bytes, grad_bytes, optim_bytes, FSDP flags
-            # a failed write: every rank stops
-            common.on_rank0(lambda: common.log_epoch(run, row), run.rank)
-            if progress.step == args.max_steps:
-                break
+            progress.epoch_row(train_loss=train_loss, world_size=run.world_size,
+                               grad_norm=args.clip_grad and grad_norm)
+            progress.row.update(held_bytes(run))  # [fsdp] its shards' bytes, FSDP's flags
+            # before the evaluation: a stop during it loses no training. With --async-save, the
+            # last save (or a stop's) is whole before its row; an earlier one may fail after it
+            save(run, blocking=progress.step == end or bool(progress.stopping))  # [fsdp]
+            evaluate_and_log(run)
         if run.sharded:  # [fsdp] the last save, if written in the background, complete
             run.sharded.wait()
         dist.barrier()  # [fsdp] no rank tears down its group while a peer may be in the last save

@@ -401,7 +401,7 @@ def test_visible_devices_and_the_gpus_flag(tmp_path):
     hidden = go(LAUNCH, *tiny, out_dir=tmp_path / "hidden", device=None, env={"CUDA_VISIBLE_DEVICES": ""})
     assert "backend gloo, device cpu" in hidden.proc.stdout
     shown = go(SPAWN, *tiny, out_dir=tmp_path / "shown", device=None)  # one visible GPU: one process
-    assert "1 processes, backend cuda:nccl,cpu:gloo, device cuda" in shown.proc.stdout  # gloo beside NCCL: the CPU's
+    assert "1 process, backend cuda:nccl,cpu:gloo, device cuda" in shown.proc.stdout  # gloo beside NCCL: the CPU's
     assert shown.rows[-1]["world_size"] == 1
     gpu = visible()["CUDA_VISIBLE_DEVICES"]
     p = go(DP, *tiny, "--gpus", "1", out_dir=tmp_path / "gpus1", device=None, check=False).proc

@@ -129,7 +129,7 @@ def test_a_lone_process_is_no_launchers(environ):
 
 def test_a_lone_process_ignores_a_master_addr_left_in_the_shell(tmp_path):
     p = run("ddp_launch_train.py", *TINY, "--out-dir", tmp_path / "run", env={"MASTER_ADDR": "10.255.255.1"})
-    assert "1 processes, backend gloo" in p.stdout and (tmp_path / "run" / "last.pt").exists(), p.stderr[-3000:]
+    assert "1 process, backend gloo" in p.stdout and (tmp_path / "run" / "last.pt").exists(), p.stderr[-3000:]
 
 
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py"])
@@ -140,7 +140,8 @@ def test_a_one_process_script_under_the_old_launcher_says_how_it_is_started(scri
                         f"--master_port={free_port()}", script, *map(str, TINY)], cwd=ROOT, env=clean_env(),
                        capture_output=True, text=True, timeout=120)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].endswith("start it with python, not torchrun"), p.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].endswith("start it with python, not python -m torch.distributed.launch"), \
+        p.stderr[-3000:]
 
 
 # ---- one run, one set of flags
