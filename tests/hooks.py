@@ -228,8 +228,11 @@ class Proc:
 
     def __init__(self, cmd, log, env=None, cwd=REPO):
         self.cmd, self.log = [str(c) for c in cmd], Path(log)
+        # SIGINT as a terminal leaves it: a shell that runs the tests in the background ignores it, and so, inherited,
+        # would every process
         self.p = subprocess.Popen(self.cmd, cwd=cwd, env=env or clean_env(), stdout=open(self.log, "wb"),
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.deadline = time.monotonic() + TIMEOUT
 
     def output(self):

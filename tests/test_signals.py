@@ -454,3 +454,125 @@ def test_a_save_that_outlives_the_grace_period_is_killed_and_the_previous_checkp
     log = run("ddp_launch_train.py", *SLOW, "--max-steps", 6, "--resume", "auto", "--out-dir", out,
               launcher="torchrun", nproc=2).stdout
     assert "resuming at step 4" in log and load(out / "last.pt")["step_in_epoch"] == 6
+
+
+# ---- a stop at an epoch's end: saved before the evaluation, which may outlast a launcher's grace period
+EVAL = ["--train-size", "64", "--batch-size", "16", "--epochs", "2", "--val-size", "12000"]  # 4 steps an epoch
+GRACE_STAND_IN = 3  # seconds: a SIGKILL this long after the signal, shorter than one evaluation (5-10 s here)
+
+
+@pytest.mark.slow
+def test_a_stop_agreed_at_an_epochs_last_step_saves_before_the_evaluation_and_the_resume_evaluates_first(tmp_path):
+    """SIGTERM at step 4, the epoch's last: the run saves that step and ends before its evaluation, well inside a grace
+    period shorter than the evaluation (a timer's SIGKILL stands in for it). The resumed run evaluates epoch 1, writes
+    its row, then trains epoch 2."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=4)
+    proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *EVAL, "--out-dir", out], hooks)
+    try:
+        signal_at_the_pause(proc, hooks, [0], signal.SIGTERM)
+        t = time.monotonic()
+        while proc.p.poll() is None and time.monotonic() - t < GRACE_STAND_IN:
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # the grace period's end
+    p = proc.result()
+    assert_exit(p, 143)
+    assert stopped(p.stdout, signal.SIGTERM) == [4] and hooks.steps() == {0: 4}, p.stdout[-3000:]
+    ckpt = load(out / "last.pt")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 0)  # the epoch's end, saved
+    assert not (out / "metrics.jsonl").exists() or metrics(out) == []  # not evaluated
+    log = run("ddp_launch_train.py", *EVAL, "--resume", "auto", "--out-dir", out).stdout
+    assert re.search(r"resuming at step 4\nepoch 1 .*\nepoch 2 ", log), log
+    rows = metrics(out)
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 4), (2, 8)] and rows[0]["val_count"] == 12000
+    assert rows[0]["eval_time_s"] > GRACE_STAND_IN  # the evaluation would have outlasted the grace period
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_evaluation_ends_the_run_at_its_end_without_training_on(tmp_path):
+    """SIGTERM while epoch 1 evaluates (its checkpoint saved just before): the run writes the row and exits 143,
+    training no further step; the resume goes on with epoch 2 and evaluates epoch 1 no second time."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path)
+    proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *EVAL, "--out-dir", out], hooks)
+    try:
+        proc.until(lambda: (out / "last.pt").exists(), "epoch 1's checkpoint")
+        os.kill(proc.p.pid, signal.SIGTERM)
+        proc.wait(expect=None)
+    finally:
+        proc.kill()
+    p = proc.result()
+    assert_exit(p, 143)
+    assert stopped(p.stdout, signal.SIGTERM) == [4] and hooks.steps() == {0: 4}, p.stdout[-3000:]
+    assert [r["step"] for r in metrics(out)] == [4]
+    log = run("ddp_launch_train.py", *EVAL, "--resume", "auto", "--out-dir", out).stdout
+    assert re.search(r"resuming at step 4\nepoch 2 ", log), log
+    assert [r["step"] for r in metrics(out)] == [4, 8]
+
+
+# ---- SIGTERM twice: torchrun passes on each one it gets; SLURM signals every process of a step, and torchrun too
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["one worker twice", "torchrun and its workers"])
+def test_repeated_sigterms_never_cancel_the_agreed_save_and_the_resume_ends_exactly(to, reference, tmp_path, measured):
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
+                 [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+    try:
+        pids = paused(proc, hooks, [0, 1])
+        if to == "one worker twice":
+            for _ in range(2):
+                os.kill(pids[1], signal.SIGTERM)
+                time.sleep(0.1)
+        else:  # as slurmstepd sends it: to every process at once (torchrun then passes its own on)
+            for pid in [proc.p.pid, *pids.values()]:
+                os.kill(pid, signal.SIGTERM)
+        proc.until(lambda: all(hooks.handled(pid, signal.SIGTERM) for pid in pids.values()) or
+                   to == "one worker twice" and hooks.handled(pids[1], signal.SIGTERM), "SIGTERM taken")
+        time.sleep(0.5)  # torchrun's own SIGTERM reaches its workers too
+        hooks.go()
+        p = finish(proc, time.monotonic(), measured, f"SIGTERM: {to}")
+    finally:
+        proc.kill()
+    assert_exit(p, 143, nproc=2)  # each worker saved and exited with its status: none killed by the second one
+    step = agreed_stop(p.stdout, signal.SIGTERM, hooks, out, 16, PAUSE - 1, NEXT_SAVE)
+    log = run("ddp_launch_train.py", *TINY, "--epochs", 1, "--resume", "auto", "--out-dir", out,
+              launcher="torchrun", nproc=2).stdout
+    assert f"resuming at step {step}" in log
+    assert max_diff(load(out / "last.pt")["model"], reference) == 0
+
+
+# ---- Ctrl-C: the terminal signals every process of its group, DataLoader workers included
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    from test_scripts import write_imagefolder
+    root = tmp_path_factory.mktemp("images")
+    write_imagefolder(root, per_class_train=48)  # 144 images: 18 steps of 8 in one process, 9 in two
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["python", "mp.spawn", "torchrun"])
+def test_ctrl_c_to_the_whole_group_stops_at_one_step_with_a_save(launch, images, tmp_path, measured):
+    """Ctrl-C, as `kill -INT -- -PGID`, with 2 DataLoader workers per trainer reading files. The DataLoader workers and
+    spawn's children ignore it: the trainer (python), the spawn parent (a SIGTERM to its children) or torchrun (a
+    SIGINT to each worker's own group) acts on it. One save at one agreed step; exit 130 (python, the spawn parent;
+    each of torchrun's workers)."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    args = ["--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 2, "--batch-size", 8,
+            "--save-every", 4, "--epochs", 1, "--out-dir", out]
+    cmd = {"python": [sys.executable, "ddp_launch_train.py"], "mp.spawn": [sys.executable, "ddp_spawn_train.py",
+                                                                           "--nprocs", "2"],
+           "torchrun": torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py")}[launch]
+    ranks = [0] if launch == "python" else [0, 1]
+    proc = start(tmp_path, cmd + [str(a) for a in args], hooks)
+    try:
+        pids = paused(proc, hooks, ranks)
+        os.killpg(proc.p.pid, signal.SIGINT)  # the terminal's process group: every process but torchrun's workers
+        sig = signal.SIGTERM if launch == "mp.spawn" else signal.SIGINT
+        proc.until(lambda: all(hooks.handled(pid, sig) for pid in pids.values()), f"{sig.name} taken")
+        hooks.go()
+        p = finish(proc, time.monotonic(), measured, f"Ctrl-C under {launch}")
+    finally:
+        proc.kill()
+    assert_exit(p, 130, nproc=len(ranks) if launch == "torchrun" else None)
+    agreed_stop(p.stdout, sig, hooks, out, 18 // len(ranks), PAUSE - 1, NEXT_SAVE)
+    assert "KeyboardInterrupt" not in p.stdout and "exited unexpectedly" not in p.stdout, p.stdout[-3000:]
