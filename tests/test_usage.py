@@ -175,6 +175,17 @@ def test_a_checkpoint_keeps_its_position_in_samples():
     assert common.Progress(run, state).step == 13
 
 
+def test_a_nan_stop_says_whether_an_older_checkpoint_is_there():
+    run = ns(args=ns(seed=0, log_every=20, max_steps=None, save_every=None), rank=0, scheduler=None,
+             steps_per_epoch=10, global_batch=32, device=torch.device("cpu"), train_set=range(320))
+    for saved, words in [(None, "stopped, nothing was saved$"),
+                         ({"epoch": 1}, "stopped, the last checkpoint is older$")]:
+        progress = common.Progress(run, saved)
+        progress.first_bad.fill_(3)  # the first NaN/inf step, as step_done notes it
+        with pytest.raises(common.UsageError, match=words):
+            progress.check(every_rank=True)
+
+
 def test_a_resume_with_other_flags_keeps_the_optimizers_state_and_takes_the_new_schedule(tmp_path):
     """--lr, --momentum, --weight-decay: the optimizer's state holds the checkpoint's, which go on (the README says
     so); --epochs, --warmup-epochs: the schedule is rebuilt, from the resumed step on: the LR of the first resumed
