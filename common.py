@@ -587,9 +587,10 @@ def rows(run):
 
 
 def start_output(run):
-    """Rank 0: metrics.jsonl keeps the rows of the steps the checkpoint covers."""
+    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers (a --max-steps stop's
+    mid-epoch row goes: the epoch's own comes)."""
     if os.path.exists(path := os.path.join(run.out_dir, "metrics.jsonl")):
-        kept = [r for r in rows(run) if r["step"] <= run.progress.step]
+        kept = [r for r in rows(run) if r["epoch"] <= run.progress.epoch]
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
