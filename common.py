@@ -587,8 +587,8 @@ def rows(run):
 
 
 def start_output(run):
-    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers (a --max-steps stop's
-    mid-epoch row goes: the epoch's own comes)."""
+    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers (a --max-steps
+    stop's mid-epoch row goes: the epoch's own comes)."""
     if os.path.exists(path := os.path.join(run.out_dir, "metrics.jsonl")):
         kept = [r for r in rows(run) if r["epoch"] <= run.progress.epoch]
         with open(path, "w") as f:
