@@ -258,9 +258,11 @@ def make_loader(ds, batches, run):
 
 def deaf(_):
     """A DataLoader worker's start: Ctrl-C and the stop signals reach a terminal's or a job's every
-    process, but only the trainer acts on them (it ends its workers)."""
+    process, but only the trainer acts on them (it ends its workers). Not SIGTERM: with it torch's
+    own handler, and the DataLoader, end a worker that never answers."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        if sig != signal.SIGTERM:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def to_device(run, ds, x, y):
