@@ -53,7 +53,7 @@ def test_fsdp_overwrite_replaces_every_checkpoint_of_the_earlier_run(tmp_path):
     run("fsdp_train.py", *b, "--max-steps", 4, "--overwrite", "--seed", 5)
     assert sorted(os.listdir(z)) == ["ckpt-4", "metrics.jsonl"] and [r["step"] for r in metrics(z)] == [4]
     log = run("fsdp_train.py", *b, "--max-steps", 6, "--seed", 5, "--resume", "auto").stdout
-    assert "resuming at step 4" in log and [r["step"] for r in metrics(z)] == [4, 6]
+    assert "resuming at step 4" in log and [r["step"] for r in metrics(z)] == [6]  # step 4's mid-epoch row goes
 
 
 @pytest.mark.slow
