@@ -582,3 +582,19 @@ def test_ctrl_c_to_the_whole_group_stops_at_one_step_with_a_save(launch, images,
         assert_exit(p, 130)
     agreed_stop(p.stdout, sig, hooks, out, 18 // len(ranks), PAUSE - 1, NEXT_SAVE)
     assert "KeyboardInterrupt" not in p.stdout and "exited unexpectedly" not in p.stdout, p.stdout[-3000:]
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path):
+    """The first Ctrl-C is noted (a save to come); a second, while the rank still waits at step 6, ends it at once,
+    killed by SIGINT, before that save: the previous checkpoint, step 4's, stays whole."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *TINY, "--epochs", 1, "--out-dir", out], hooks)
+    try:
+        paused(proc, hooks, [0])
+        os.kill(proc.p.pid, signal.SIGINT)
+        proc.until(lambda: hooks.handled(proc.p.pid, signal.SIGINT), "the first Ctrl-C taken")
+        os.kill(proc.p.pid, signal.SIGINT)
+        proc.wait(expect=-signal.SIGINT)
+    finally:
+        proc.kill()
+    assert position(load(out / "last.pt"), 32) == 4 and temporary(out) == []
