@@ -231,6 +231,18 @@ def save(run):
                     run.rank)
 
 
+def evaluate_and_log(run):
+    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    last step ends the run before it, one during it after it: its checkpoint is saved."""
+    if stopping := run.progress.stopping:
+        raise common.stopped(stopping, run.progress.step)
+    t1 = time.time()
+    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
+    if stopping := run.progress.stop_agreed():
+        raise common.stopped(stopping, run.progress.step)
+
+
 def main(args):
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
@@ -270,17 +282,6 @@ def main(args):
             save(run)  # before the evaluation: a stop during it loses no training
             evaluate_and_log(run)
 
-
-def evaluate_and_log(run):
-    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
-    last step ends the run before it, one during it after it: its checkpoint is saved."""
-    if stopping := run.progress.stopping:
-        raise common.stopped(stopping, run.progress.step)
-    t1 = time.time()
-    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
-    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
-    if stopping := run.progress.stop_agreed():
-        raise common.stopped(stopping, run.progress.step)
 
 
 if __name__ == "__main__":
