@@ -332,7 +332,7 @@ def find_checkpoint(run):
         earlier = earlier_run(run)
         if args.resume:
             print(f"--resume auto: no last.pt in {run.out_dir}, starting afresh", flush=True)
-        return replace(earlier, run, None)
+        return replace_earlier(earlier, run, None)
     path = path if args.resume == "auto" else args.resume
     if os.path.isfile(os.path.join(path, "last.pt")):  # its folder
         path = os.path.join(path, "last.pt")
@@ -343,7 +343,7 @@ def find_checkpoint(run):
     model = ckpt.get("model") if isinstance(ckpt, dict) else None
     shapes = {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None
     ckpt = check_fits(path, ckpt, shapes, run)
-    return replace(earlier_run(run), run, ckpt)
+    return replace_earlier(earlier_run(run), run, ckpt)
 
 
 def earlier_run(run):
@@ -370,7 +370,7 @@ def earlier_run(run):
     return found, own
 
 
-def replace(earlier, run, ckpt):
+def replace_earlier(earlier, run, ckpt):
     """Rank 0, the checkpoint to resume checked: --overwrite deletes every checkpoint of the
     earlier run and its metrics (one left, --resume auto would later continue it). `ckpt`'s row,
     kept only where it is this --out-dir's and metrics.jsonl lacks it (a run stopped before that

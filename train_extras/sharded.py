@@ -132,7 +132,7 @@ def find(run):
     if args.resume == "auto":
         path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
-        return common.replace(earlier, run, read(path, run))
+        return common.replace_earlier(earlier, run, read(path, run))
     return common.find_checkpoint(types.SimpleNamespace(
         **{**vars(run), "args": argparse.Namespace(**{**vars(args), "resume": path})}))
 
