@@ -1,7 +1,8 @@
-"""benchmarks/bench.py end to end on CPU: a smoke run of every row (the bare loop, the four scripts at world size 1,
-the two 2-process launches) and its JSON output. Nothing about speed is asserted: a shared machine's timings vary."""
+"""benchmarks/bench.py on CPU: a smoke run of every reference at world size 2 (each with its script, and the weights
+checked equal), a planted script that takes one step fewer (the weight check must fail), and how the rows are judged.
+Nothing about speed is asserted: a shared machine's timings vary."""
+import importlib.util
 import json
-import math
 import os
 import re
 import subprocess
@@ -12,8 +13,7 @@ import pytest
 from conftest import LAUNCHER_PICKS_PORT, ROOT, clean_env
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
-ROWS = {("bare", 1), ("dp_train.py", 1), ("ddp_launch_train.py", 1), ("ddp_spawn_train.py", 1), ("ddp_amp_train.py", 1),
-        ("ddp_spawn_train.py", 2), ("torchrun ddp_launch_train.py", 2)}
+SMOKE = ["--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240"]
 
 
 def bench(*args, timeout=900):
@@ -22,83 +22,85 @@ def bench(*args, timeout=900):
                           timeout=timeout)
 
 
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
-def test_smoke_run_writes_every_row(tmp_path):
+def test_smoke_run_of_every_reference_with_its_script(tmp_path):
+    """DDP under torchrun, DDP under mp.spawn and fully_shard under torchrun, 2 processes each, every one between two
+    runs of its reference: the rows, the ratios over the neighbouring reference runs, and the weights equal."""
     out = tmp_path / "bench.json"
-    p = bench("--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240",
-              "--json", str(out))
+    p = bench(*SMOKE, "--world-sizes", "2", "--scripts", "ddp_launch_train.py", "ddp_spawn_train.py",
+              "fsdp_train.py", "--json", str(out))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads(out.read_text())
-    assert {(r["name"], r["world_size"]) for r in rows} == ROWS and len(rows) == len(ROWS)
-    for r in rows:
-        assert r["device"] == "cpu" and r["precision"] == "fp32" and r["global_batch"] == 8
-        assert isinstance(r["ratio_to_bare"], float) and math.isfinite(r["ratio_to_bare"]) and r["ratio_to_bare"] > 0
-        assert r["samples_per_s"] > 0 and r["startup_s"] > 0 and r["peak_mem_mb"] > 0
-        assert (r["eval_s"] is None) == (r["name"] == "bare")
-    # the bare loop ran first and after every script (in the listed order, the first repeat): each script's ratio is
-    # over the mean of the bare runs around it, and each bare run in between is over the mean of its neighbours
-    bare, scripts = rows[0], rows[1:]
-    assert bare["name"] == "bare" and bare["ratio_to_bare"] == 1.0
-    b = bare["samples_per_s_runs"]
-    assert len(b) == len(scripts) + 1
-    assert bare["ratio_runs"] == pytest.approx([y / ((x + z) / 2) for x, y, z in zip(b, b[1:], b[2:])])
-    for i, r in enumerate(scripts):
-        assert len(r["samples_per_s_runs"]) == 1 and r["ratio_runs"] == [r["ratio_to_bare"]]
-        assert r["ratio_to_bare"] == pytest.approx(r["samples_per_s"] / ((b[i] + b[i + 1]) / 2))
+    assert [(r["name"], r["reference"], r["world_size"]) for r in rows] == [
+        ("ddp-torchrun", "ddp-torchrun", 2), ("ddp_launch_train.py", "ddp-torchrun", 2),
+        ("ddp-spawn", "ddp-spawn", 2), ("ddp_spawn_train.py", "ddp-spawn", 2),
+        ("fsdp-torchrun", "fsdp-torchrun", 2), ("fsdp_train.py", "fsdp-torchrun", 2)]
+    for ref, script in zip(rows[::2], rows[1::2]):
+        b = ref["samples_per_s_runs"]
+        assert len(b) == 2 and ref["weights_differ"] == [None]  # the reference before and after: the same weights
+        assert script["ratio_runs"] == [pytest.approx(script["samples_per_s"] / ((b[0] + b[1]) / 2))]
+        assert script["weights_differ"] == [None] and script["verdict"]["weights"] == "met"
+        assert script["reference_samples_per_s"] == ref["samples_per_s"]
+        for r in (ref, script):
+            assert r["samples_per_s"] > 0 and r["startup_s"] > 0 and r["peak_mem_mb"] > 0 and r["threads"] >= 1
+            assert r["global_batch"] == 8 and r["repeats"] == 1
+        assert (script["eval_s"] is None, ref["eval_s"]) == (False, None)
+    assert rows[1]["launch"] == "torchrun --nproc_per_node=2 ddp_launch_train.py"
+    assert rows[3]["launch"] == "python ddp_spawn_train.py --nprocs 2"
     table = p.stdout.splitlines()
-    assert all(any(line.startswith(name + " ") for line in table) for name, _ in ROWS), p.stdout  # one table row each
+    assert sum(line.startswith(("DDP under", "fully_shard under", "torchrun", "python ")) for line in table) == 6
+    assert re.search(r"^parity: ", p.stdout, re.M), p.stdout
 
 
-def test_the_verdict_says_when_the_machine_was_too_busy_to_decide():
-    """The closing line judges the medians, and says when the bare loop against itself spread more than 0.05:
-    then single ratios spread as far, and a median of a few repeats cannot tell 0.94 from 0.96."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-
-    def table(itself, *scripts):
-        return [{"name": "bare", "world_size": 1, "ratio_to_bare": 1.0, "ratio_runs": itself}] + [
-            {"name": n, "world_size": ws, "ratio_to_bare": x, "ratio_runs": [x]} for n, ws, x in scripts]
-    quiet = bench.verdict(table([0.97, 1.04], ("a.py", 1, 0.96), ("b.py", 1, 0.99), ("two", 2, 0.70)))
-    assert quiet == "world size 1, median ratio at least 0.95: met"
-    low = bench.verdict(table([0.96], ("a.py", 1, 0.94), ("b.py", 1, 1.07)))
-    assert low.startswith("world size 1, median ratio at least 0.95: NOT met: a.py;") and "above 1.05" in low
-    assert "b.py" in low and "too busy" not in low
-    busy = bench.verdict(table([0.80, 1.02, 1.26], ("a.py", 1, 0.93)))
-    assert busy.splitlines()[1].startswith("but the bare loop against itself spread 0.80-1.26")
-    assert "too busy" in bench.verdict(table([1.06], ("a.py", 1, 0.97)))
-    assert "too busy" not in bench.verdict(table([], ("a.py", 1, 0.97)))  # one script: no bare run in between
+# bench.py with the script rows' commands given --max-steps one short of the reference's
+FEWER_STEPS = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("bench", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+groups = bench.groups
+bench.groups = lambda a, threads: [
+    (ref, [(*row[:2], row[2] + ["--max-steps", str(a.steps - 1)], *row[3:]) for row in rows])
+    for ref, rows in groups(a, threads)]
+bench.main(bench.parse_args(sys.argv[2:]))
+"""
 
 
-def test_the_bare_loop_trains_on_the_scripts_data(tmp_path, monkeypatch):
-    """The reference does the scripts' work: it builds their data with common.load_data on the flags the script rows
-    get, and trains on every sample of it, one tensor index per batch (not on a few batches of randn, which made it
-    slower than the scripts: see bare_loop)."""
-    import argparse
-    import importlib.util
-    import torch
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    from torch.utils.data import TensorDataset
-    built, seen, load_data, get = [], [], bench.common.load_data, TensorDataset.__getitem__
-    monkeypatch.setattr(bench.common, "load_data", lambda args, download=False: built.append(args) or load_data(args))
-    monkeypatch.setattr(TensorDataset, "__getitem__", lambda ds, index: seen.append(index) or get(ds, index))
-    a = argparse.Namespace(device="cpu", model="cnn", channels_last=False, compile=False, steps=3, batch_size=8,
-                           val_size=None,
-                           precision="fp32", shape=bench.DEFAULT_SHAPE, out_dir=str(tmp_path))
-    threads = torch.get_num_threads()
-    try:
-        bench.bare_loop(a)
-    finally:
-        torch.set_num_threads(threads)
-    script_args = bench.common.get_parser("").parse_args(bench.script_flags(a) + ["--batch-size", "8"])
-    assert len(built) == 1 and vars(built[0]) == vars(script_args) and built[0].train_size == 24
-    batches = [i for i in seen if not isinstance(i, int)]  # (channels_and_classes looks at sample 0)
-    assert sorted(torch.cat(batches).tolist()) == list(range(24)) and all(len(i) == 8 for i in batches)
-    row = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert row["samples_per_s"] > 0 and row["world_size"] == 1 and row["eval_time_s"] is None
+@pytest.mark.slow
+def test_the_weight_check_fails_when_a_script_takes_one_step_fewer():
+    """dp_train.py against the bare loop, as it is (weights equal), then planted: the script's command gets
+    --max-steps one short of the reference's. The benchmark must say the weights differ, and exit non-zero."""
+    args = SMOKE + ["--world-sizes", "1", "--scripts", "dp_train.py"]
+    p = bench(*args)
+    assert p.returncode == 0 and "dp_train.py x1: " in p.stdout and "weights met" in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-c", FEWER_STEPS, BENCH, *args], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("weights differ from the reference's: dp_train.py"), p.stderr
+    assert "weights NOT met: " in p.stdout
+
+
+def test_each_row_is_judged_against_its_reference():
+    """The four verdicts: speed (median ratio at least 0.95, decided only where the reference's own runs stay within
+    5% of their median), memory (at most the reference's + 5%), start-up (at most 1.5 s more), weights (equal,
+    decided only where the reference equals itself)."""
+    judge = load_bench().judge
+    ref = {"ratio_runs": [0.97, 1.0, 1.04], "peak_mem_mb": 1000.0, "startup_s": 3.0, "weights_differ": [None, None]}
+    row = {"ratio": 0.95, "peak_mem_mb": 1050.0, "startup_s": 4.5, "weights_differ": [None]}
+    assert judge(row, ref) == {"speed": "met", "memory": "met", "startup": "met", "weights": "met"}
+    worse = {"ratio": 0.94, "peak_mem_mb": 1051.0, "startup_s": 4.6, "weights_differ": [None, "fc1.bias"]}
+    assert judge(worse, ref) == {"speed": "NOT met", "memory": "NOT met", "startup": "NOT met",
+                                 "weights": "NOT met: fc1.bias"}
+    busy = {**ref, "ratio_runs": [0.94, 1.0], "weights_differ": ["conv1.weight"]}
+    assert judge(row, busy)["speed"] == "undecided: the reference spread"
+    assert judge(worse, busy)["weights"] == "undecided: the reference differs from itself"
 
 
 def test_loader_benchmark_runs_every_pipeline(tmp_path):
@@ -116,7 +118,7 @@ def test_bad_arguments_exit_before_running_anything():
     p = bench("--device", "cpu", "--steps", "1", timeout=120)
     assert p.returncode == 2 and "--steps must be at least 2" in p.stderr
     p = bench("--device", "cpu", "--batch-size", "7", timeout=120)  # 2-process rows need an even global batch
-    assert p.returncode != 0 and "even --batch-size" in p.stderr
+    assert p.returncode == 2 and "must divide over 2 processes" in p.stderr
 
 
 @pytest.mark.slow
