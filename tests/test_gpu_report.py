@@ -27,19 +27,25 @@ def load_report():
 def test_targets_are_judged_from_the_rows():
     judge = load_report().judge
 
-    def row(config, name, speed, ratio=1.0):
-        return {"config_index": config, "name": name, "samples_per_s": speed, "ratio_to_bare": ratio}
-    rows = [row(0, "bare", 1000), row(0, "dp_train.py", 960, 0.96), row(0, "ddp_amp_train.py", 990, 0.99),
-            row(1, "bare", 2100), row(1, "ddp_amp_train.py", 2050), row(2, "bare", 5000),
-            row(2, "ddp_launch_train.py", 4900), row(3, "bare", 6000), row(3, "ddp_launch_train.py", 5500)]
-    scripts, amp, compiled = judge(rows)
-    assert scripts["verdict"] == "met" and scripts["value"] == "lowest median 0.96 (dp_train.py)"
-    assert amp["verdict"] == "met" and amp["value"].startswith("2.05x (the bare loop in bf16 + channels-last: 2.10x)")
-    assert compiled["verdict"] == "met" and compiled["value"].startswith("1.12x eager (the bare loop: 1.20x)")
-    rows[1]["ratio_to_bare"], rows[4]["samples_per_s"], rows[8]["samples_per_s"] = 0.94, 1700, 4800
-    assert [t["verdict"] for t in judge(rows)] == ["NOT met"] * 3
+    def row(config, name, speed, ratio=1.0, world_size=1, weights="met"):
+        reference = name if "." not in name else "bare" if name == "dp_train.py" else "ddp-torchrun"
+        return {"config_index": config, "name": name, "reference": reference, "samples_per_s": speed, "ratio": ratio,
+                "world_size": world_size, **({"verdict": {"weights": weights}} if "." in name else {})}
+    rows = [row(0, "ddp-torchrun", 1000), row(0, "dp_train.py", 960, 0.96), row(0, "ddp_amp_train.py", 990, 0.99),
+            row(1, "ddp-torchrun", 2100), row(1, "ddp_amp_train.py", 2050), row(2, "ddp-torchrun", 5000),
+            row(2, "ddp_launch_train.py", 4900), row(3, "ddp-torchrun", 6000), row(3, "ddp_launch_train.py", 5500),
+            row(4, "ddp_launch_train.py", 3000, 0.97, 2), row(4, "fsdp_train.py", 2000, 0.98, 2)]
+    scripts, amp, compiled, two = judge(rows)
+    assert scripts["verdict"] == "met" and scripts["value"] == "lowest median 0.96 (dp_train.py x1)"
+    assert amp["verdict"] == "met" and amp["value"].startswith("2.05x (the reference in bf16 + channels-last: 2.10x)")
+    assert compiled["verdict"] == "met" and compiled["value"].startswith("1.12x eager (its reference: 1.20x)")
+    assert two["verdict"] == "met" and two["value"] == "lowest median 0.97 (ddp_launch_train.py x2)"
+    rows[1]["ratio"], rows[4]["samples_per_s"], rows[8]["samples_per_s"] = 0.94, 1700, 4800
+    rows[10]["verdict"]["weights"] = "NOT met: fc.bias"
+    assert [t["verdict"] for t in judge(rows)] == ["NOT met"] * 4
+    assert judge(rows)[3]["value"].endswith("; weights not equal: fsdp_train.py x2")
     only_first = [row(0, "bare", 1000), row(0, "dp_train.py", 960, 0.96)]
-    assert [t["verdict"] for t in judge(only_first)] == ["met", "not measured", "not measured"]
+    assert [t["verdict"] for t in judge(only_first)] == ["met"] + ["not measured"] * 3
 
 
 def test_without_a_gpu_it_says_so_in_one_line():
@@ -54,7 +60,7 @@ def test_without_a_gpu_it_says_so_in_one_line():
     assert p.returncode == 2 and "--part tests or --part bench" in p.stderr
     p = subprocess.run([sys.executable, REPORT, "--dry-run", "--configs", "0,7"], cwd=ROOT, env=clean_env(),
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "--configs: numbers from 0 to 3" in p.stderr
+    assert p.returncode == 2 and "--configs: numbers from 0 to 4" in p.stderr
 
 
 @pytest.mark.slow
@@ -83,11 +89,16 @@ def test_dry_run_runs_both_parts_on_the_cpu(tmp_path):
     recorded = {k for t in tests["tests"] for k in t["recorded"]}
     assert {"val_acc", "val_acc_cpu", "fsdp_world_size", "param_bytes_rank0_of_2", "max_diff_cpu_gpu_cpu"} <= recorded
     bench = json.loads((tmp_path / "bench.json").read_text())
-    assert {r["config_index"] for r in bench["rows"]} == {0, 1, 2, 3}
+    assert {r["config_index"] for r in bench["rows"]} == {0, 1, 2, 3, 4}
     assert [r["name"] for r in bench["rows"] if r["config_index"] == 0] == [
-        "bare", "dp_train.py", "ddp_launch_train.py", "ddp_spawn_train.py", "ddp_amp_train.py"]
+        "bare", "dp_train.py", "ddp-torchrun", "ddp_launch_train.py", "ddp_amp_train.py", "ddp-spawn",
+        "ddp_spawn_train.py", "fsdp-torchrun", "fsdp_train.py"]
+    assert {(r["name"], r["world_size"]) for r in bench["rows"] if r["config_index"] == 4} == {
+        ("ddp-torchrun", 2), ("ddp_launch_train.py", 2), ("ddp_amp_train.py", 2), ("ddp-spawn", 2),
+        ("ddp_spawn_train.py", 2), ("fsdp-torchrun", 2), ("fsdp_train.py", 2)}
     assert all(r["samples_per_s"] > 0 and r["repeats"] == 1 for r in bench["rows"])
-    assert [t["verdict"] in ("met", "NOT met") for t in bench["targets"]] == [True] * 3
+    assert all(r["verdict"]["weights"] == "met" for r in bench["rows"] if "verdict" in r)
+    assert [t["verdict"] in ("met", "NOT met") for t in bench["targets"]] == [True] * 4
     for name in ("tests", "bench"):
         assert "DRY RUN on the CPU" in (tmp_path / f"{name}.md").read_text().splitlines()[0]
     assert "where the" in p.stdout and "all:" in p.stdout
