@@ -307,19 +307,19 @@ def tabulate(plan, runs, ratios, differ, a):
         for name, ws, _, threads, label in [ref] + rows:
             rs = runs[name, ws]
             row = {"name": name, "reference": ref[0], "world_size": ws, "launch": label,
-                "device": a.device, "precision": a.precision, "model": a.model, "shape": a.shape,
-                "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats, "threads": threads,
-                **{k: None if rs[0][k] is None else statistics.median(x[k] for x in rs) for k in rs[0]},
-                "samples_per_s_runs": [x["samples_per_s"] for x in rs], "weights_differ": differ[name, ws]}
+                   "device": a.device, "precision": a.precision, "model": a.model, "shape": a.shape,
+                   "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats, "threads": threads,
+                   **{k: None if rs[0][k] is None else statistics.median(x[k] for x in rs) for k in rs[0]},
+                   "samples_per_s_runs": [x["samples_per_s"] for x in rs], "weights_differ": differ[name, ws]}
             if name == ref[0]:  # the reference against itself: each run over the median of its runs
                 row |= {"ratio": 1.0, "ratio_runs": [x / row["samples_per_s"] for x in row["samples_per_s_runs"]]}
-                reference = row
+                ref_row = row
             else:
                 row |= {"ratio": statistics.median(ratios[name, ws]), "ratio_runs": ratios[name, ws],
-                        "reference_samples_per_s": reference["samples_per_s"],
-                        "reference_startup_s": reference["startup_s"],
-                        "reference_peak_mem_mb": reference["peak_mem_mb"]}
-                row["verdict"] = judge(row, reference)
+                        "reference_samples_per_s": ref_row["samples_per_s"],
+                        "reference_startup_s": ref_row["startup_s"],
+                        "reference_peak_mem_mb": ref_row["peak_mem_mb"]}
+                row["verdict"] = judge(row, ref_row)
             table.append(row)
     return table
 
