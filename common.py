@@ -237,6 +237,12 @@ def fine_tune(model, run):
     return module.prepare(model, run) if (module := extra("finetune")) else model
 
 
+def fork_server(args):
+    """train_extras/workers.py's, where copied: before any other thread runs."""
+    if module := extra("workers"):
+        module.fork_server(args)
+
+
 def make_loader(ds, batches, run):
     """A DataLoader over `batches`; tensors in memory: one index a batch, on the accelerator if
     they fit. Its own generator: not the one dropout draws from."""

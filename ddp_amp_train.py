@@ -244,6 +244,7 @@ def evaluate_and_log(run):
 
 
 def main(args):
+    common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(

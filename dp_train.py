@@ -220,6 +220,7 @@ def evaluate_and_log(run):
 
 
 def main(args):
+    common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
     run = setup_devices(args)  # [dp]
     master = run.rank == 0  # one process: it prints and writes files
     run.out_dir = args.out_dir or os.path.join(

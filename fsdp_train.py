@@ -336,6 +336,7 @@ def held_bytes(run):
 
 
 def main(args):
+    common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(

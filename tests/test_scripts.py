@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_exit, checkpoint, clean_env, metrics, run, summary_lines
+from conftest import ROOT, assert_exit, checkpoint, clean_env, max_diff, metrics, run, summary_lines
 
 SMALL = ["--train-size", 3072, "--val-size", 500, "--epochs", 2, "--log-every", 10]
 SCRIPTS = {  # name: (script, launcher, processes, extra args); the global batch is 64 everywhere
@@ -162,6 +162,33 @@ def test_imagefolder(tmp_path):
     assert rows[-1]["val_count"] == 21
     assert rows[-1]["val_acc"] > 0.6, rows  # chance is 1/3
     assert checkpoint(str(out))["model"]["conv1.weight"].shape[1] == 3  # RGB
+
+
+# a sitecustomize.py on PYTHONPATH: every Python interpreter that starts writes down its command line
+STARTS = ("import os, sys\nif os.environ.get('STARTS_FILE'):\n"
+          "    with open(os.environ['STARTS_FILE'], 'a') as f:\n        f.write(' '.join(sys.orig_argv) + '\\n')\n")
+
+
+def test_imagefolder_workers_start_from_a_fork_of_the_trainer(tmp_path):
+    """Where train_extras/workers.py starts the DataLoader workers from a fork server (Python 3.11.7 here), that
+    server is forked from the training process at its start, with torch and torchvision imported: no second
+    interpreter imports them again before the first batch (3.4 s of a 12 s run, benchmarks/files.py). The
+    interpreters that start are the trainer and multiprocessing's resource tracker; the augmentation, seeded in the
+    workers, is the same with --workers 0."""
+    from train_extras import workers
+    if not (workers.AFFECTED and sys.platform == "linux"):
+        pytest.skip("workers fork from the trainer as torch forks them: no fork server")
+    write_imagefolder(tmp_path / "data", per_class_train=8, per_class_val=3)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STARTS)
+    for n in (2, 0):
+        run("ddp_launch_train.py", "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--image-size", 12,
+            "--batch-size", 8, "--epochs", 2, "--workers", n, "--out-dir", tmp_path / f"out{n}",
+            env={"PYTHONPATH": str(tmp_path / "site"), "STARTS_FILE": str(tmp_path / f"starts{n}")})
+    started = (tmp_path / "starts2").read_text().splitlines()
+    assert len(started) == 2 and "ddp_launch_train.py" in started[0], started
+    assert "multiprocessing.resource_tracker" in started[1], started
+    assert max_diff(checkpoint(str(tmp_path / "out2"))["model"], checkpoint(str(tmp_path / "out0"))["model"]) == 0
 
 
 def test_every_usual_image_file_reads_as_8_bit_rgb_in_one_batch(tmp_path):

@@ -8,12 +8,17 @@ worker starts; none in 8,000 from the fork server (docs/failures.md). Fixed in 3
 3.10.15 and 3.11.10 (python/cpython#112336); 3.12 and later never had it. Delete this file when
 no Python you run is older than those: common.make_loader then starts workers as torch does.
 
-The server starts once, with torch and the script's own imports loaded: a worker, which runs the
-script's top lines again, starts in milliseconds. Its Dataset is pickled to reach it."""
+The server is forked from the training process at its start (fork_server), while that is the only
+thread, with all it has imported: a worker starts in milliseconds, its Dataset pickled to reach it.
+Where fork_server made none (start), the server is a fresh interpreter that imports torch and the
+script's modules again: 3.4 s from the first DataLoader to its first batch on 2 cores, against
+about 0.1 s forked (benchmarks/files.py); and each worker runs the script's top lines again."""
 import inspect
 import multiprocessing
 import os
+import socket
 import sys
+import threading
 
 import common
 
@@ -36,6 +41,38 @@ def start(ds):
     context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str)
                                           and not m.startswith("_")))
     return dict(multiprocessing_context=context, worker_init_fn=leave_server)
+
+
+def fork_server(args):
+    """The fork server, forked from this process now: the script's first step, before the process
+    group's threads, where no other thread runs yet. Only where the run reads files with workers
+    (--dataset imagefolder, or a Dataset of your own: no --dataset flag), and on Linux (macOS's
+    system libraries are not safe to fork: there the server below starts as a fresh interpreter).
+    torchvision, which ImageFiles' workers use, is imported first."""
+    if not (AFFECTED and args.workers and sys.platform == "linux" and threading.active_count() == 1
+            and getattr(args, "dataset", "imagefolder") == "imagefolder"):
+        return
+    if hasattr(args, "dataset"):
+        import torchvision.transforms.v2  # noqa: F401
+    from multiprocessing import connection, forkserver, resource_tracker, util
+    resource_tracker.ensure_running()  # as forkserver.ensure_running does: the workers share it
+    listener, address = socket.socket(socket.AF_UNIX), connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # it ends when this process does (its end of alive_w closes)
+    if (pid := os.fork()) == 0:
+        os.close(alive_w)
+        try:
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server = forkserver._forkserver  # where forkserver.ensure_running would keep its own
+    server._forkserver_address, server._forkserver_alive_fd = address, alive_w
+    server._forkserver_pid = pid
 
 
 def leave_server(worker_id):
