@@ -70,7 +70,8 @@ def fork_server(args):
             os._exit(0)
     os.close(alive_r)
     listener.close()
-    server = forkserver._forkserver  # where forkserver.ensure_running would keep its own
+    # forkserver.ensure_running's own state, private names (as on every Python this file runs on)
+    server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd = address, alive_w
     server._forkserver_pid = pid
 
