@@ -184,7 +184,7 @@ def groups(a, threads):
 
         def torchrun_row(name, *more):
             return name, ws, torchrun + [os.path.join(ROOT, name), *more] + flags + gloo, t, \
-                f"torchrun --nproc_per_node={ws} {name}"
+                " ".join([f"torchrun --nproc_per_node={ws} {name}", *more])
 
         def reference_row(kind, launch, *more):
             return kind, ws, launch + bench + ["--reference", kind, *more], t, f"{REFERENCES[kind]} (reference)"
