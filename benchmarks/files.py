@@ -39,9 +39,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "SLURM_STEP_NUM_TASKS")  # inherited, they would make the script wait for ranks that never come
-
 
 def write_folder(root, train, val):
     """root/train/class{0,1}/*.jpg and root/val/class{0,1}/*.jpg (loader.py's images; val/ from a folder of its
@@ -111,6 +108,7 @@ def commands(a, data):
 def timed(cmd, out, timeout):
     """Seconds from the launch of `cmd --out-dir out` to its exit (the process's: a fork server it started may
     take a moment longer to end, as after a plain run its workers do)."""
+    from bench import LAUNCHER_VARS  # here, not in the plain worker, whose start-up is timed
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     with tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
