@@ -22,11 +22,30 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+class Smooth(nn.Module):
+    """A smaller cnn with nothing to decide: SiLU for ReLU, average for max pooling. Two runs that
+    differ only in the order of a sum (other process counts, launchers, CPUs, kernels) stay within
+    rounding of each other; in the cnn one ReLU or max-pool decision that flips moves the weights
+    by 4e-6 at once. The tests compare runs of it (docs/correctness.md)."""
+
+    def __init__(self, channels=1, classes=10):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(channels, 16, 3), nn.Conv2d(16, 32, 3)
+        self.pool = nn.AdaptiveAvgPool2d(6)
+        self.fc1, self.fc2 = nn.Linear(32 * 6 * 6, 64), nn.Linear(64, classes)
+
+    def forward(self, x):
+        x = self.pool(F.silu(self.conv2(F.silu(self.conv1(x)))))
+        return self.fc2(F.silu(self.fc1(x.flatten(1))))
+
+
 def make(name, channels, classes):
-    """cnn, or torchvision's model `name` for `classes` classes, its first conv made for `channels`
-    channels."""
+    """cnn, smooth, or torchvision's model `name` for `classes` classes, its first conv made for
+    `channels` channels."""
     if name == "cnn":
         return Net(channels, classes)
+    if name == "smooth":
+        return Smooth(channels, classes)
     import torchvision  # only for its models: the cnn does without
     if name not in torchvision.models.list_models(module=torchvision.models):
         raise common.UsageError(f"unknown --model {name!r}: use cnn or a torchvision "
@@ -63,7 +82,9 @@ def channels_and_classes(ds):
 
 
 def add_flags(parser):
-    parser.add_argument("--model", default="cnn", help="cnn (a small 2-conv net) or a torchvision "
+    parser.add_argument("--model", default="cnn",
+                        help="cnn (a small 2-conv net), smooth (a smaller one without ReLU or "
+                        "max-pooling: runs compare within rounding) or a torchvision "
                         "classification model, e.g. resnet18")
 
 
