@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import SLURM_RAN, address_in_use, clean_env, free_port
+from conftest import SLURM_RAN
+from processes import address_in_use, clean_env, free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")

@@ -5,12 +5,11 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from conftest import LAUNCHER_PICKS_PORT, ROOT, clean_env
+from processes import LAUNCHER_PICKS_PORT, ROOT, command, torchrun
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
 SMOKE = ["--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8", "--timeout", "240"]
@@ -18,8 +17,7 @@ SMOKE = ["--device", "cpu", "--steps", "3", "--repeats", "1", "--batch-size", "8
 
 def bench(*args, timeout=900):
     # small runs: one thread each (clean_env), no oversubscription in the 2-process rows
-    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return command([sys.executable, BENCH, *args], timeout=timeout)
 
 
 def load_bench():
@@ -29,7 +27,7 @@ def load_bench():
     return module
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_smoke_run_of_every_reference_with_its_script(tmp_path):
     """DDP under torchrun, DDP under mp.spawn and fully_shard under torchrun, 2 processes each, every one between two
     runs of its reference: the rows, the ratios over the neighbouring reference runs, and the weights equal."""
@@ -73,15 +71,14 @@ bench.main(bench.parse_args(sys.argv[2:]))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_the_weight_check_fails_when_a_script_takes_one_step_fewer():
     """dp_train.py against the bare loop, as it is (weights equal), then planted: the script's command gets
     --max-steps one short of the reference's. The benchmark must say the weights differ, and exit non-zero."""
     args = SMOKE + ["--world-sizes", "1", "--scripts", "dp_train.py"]
     p = bench(*args)
     assert p.returncode == 0 and "dp_train.py x1: " in p.stdout and "weights met" in p.stdout, p.stdout + p.stderr
-    p = subprocess.run([sys.executable, "-c", FEWER_STEPS, BENCH, *args], cwd=ROOT, env=clean_env(),
-                       capture_output=True, text=True, timeout=300)
+    p = command([sys.executable, "-c", FEWER_STEPS, BENCH, *args], timeout=300)
     assert p.returncode == 1, p.stdout + p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1].startswith("weights differ from the reference's: dp_train.py"), p.stderr
     assert "weights NOT met: " in p.stdout
@@ -103,17 +100,18 @@ def test_each_row_is_judged_against_its_reference():
     assert judge(worse, busy)["weights"] == "undecided: the reference differs from itself"
 
 
+@pytest.mark.full
 def test_loader_benchmark_runs_every_pipeline(tmp_path):
     out = tmp_path / "loader.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "loader.py"), "--images", "8",
-                        "--batch-size", "4", "--repeats", "1", "--workers", "1", "--json", str(out)], cwd=ROOT,
-                       env=clean_env(), capture_output=True, text=True, timeout=300)
+    p = command([sys.executable, os.path.join(ROOT, "benchmarks", "loader.py"), "--images", "8", "--batch-size", "4",
+                 "--repeats", "1", "--workers", "1", "--json", out], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"baseline", "scripts", "pretrained"} and rows["baseline"]["ratio_to_baseline"] == 1.0
     assert all(r["images_per_s"] > 0 and r["jpeg_kb"] > 10 and len(r["ratio_runs"]) == 1 for r in rows.values())
 
 
+@pytest.mark.full
 def test_bad_arguments_exit_before_running_anything():
     p = bench("--device", "cpu", "--steps", "1", timeout=120)
     assert p.returncode == 2 and "--steps must be at least 2" in p.stderr
@@ -121,14 +119,13 @@ def test_bad_arguments_exit_before_running_anything():
     assert p.returncode == 2 and "must divide over 2 processes" in p.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_checkpoint_benchmark_times_every_format(tmp_path):
     """benchmarks/checkpoint.py under torchrun: a row per format, each rank's numbers, and the saves on disk."""
     out = tmp_path / "ckpt.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        *LAUNCHER_PICKS_PORT, os.path.join(ROOT, "benchmarks", "checkpoint.py"), "--model",
-                        "cnn", "--repeats", "1", "--out-dir", str(tmp_path / "saves"), "--json", str(out)],
-                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    p = command(torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, os.path.join(ROOT, "benchmarks", "checkpoint.py"),
+                         "--model", "cnn", "--repeats", "1", "--out-dir", tmp_path / "saves", "--json", out),
+                timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads(out.read_text())
     assert [r["format"] for r in rows] == ["file", "dcp", "dcp --async-save"]
@@ -175,8 +172,7 @@ def test_scaling_reproduces_every_published_figure():
     assert len(published) == len(SCALING_RUNS)
     outputs = []
     for args, table in zip(SCALING_RUNS, published):
-        p = subprocess.run([sys.executable, SCALING, *args], cwd=ROOT, env=clean_env(), capture_output=True,
-                           text=True, timeout=60)
+        p = command([sys.executable, SCALING, *args], timeout=60)
         assert p.returncode == 0, p.stderr
         projected = markdown_tables(p.stdout)
         assert len(projected) == 1, p.stdout

@@ -4,12 +4,11 @@ with the reason in its commit, rather than cutting a kept guarantee. Measured in
 package needed: this never skips); the linter (ruff, pinned in pyproject.toml) runs here too."""
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, clean_env
+from processes import ROOT, command
 
 # raised from 620 / 31,000 and 49,000 / 56,000 for the guarantees of "Tried for a first week": a run never
 # replaces another's checkpoints (--overwrite replaces all of it), a resume on other data is refused, the epoch's
@@ -93,8 +92,7 @@ def ruff(*args, cwd=ROOT):
             pytest.fail("ruff is not installed: pip install --group lint")
         pytest.skip("ruff is not installed (pip install --group lint)")
     exe = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
-    return subprocess.run([exe, "check", "--no-cache", *args], cwd=cwd, capture_output=True, text=True,
-                          env=clean_env())
+    return command([exe, "check", "--no-cache", *args], cwd=cwd)
 
 
 def test_the_linter_passes_and_holds_100_columns_in_what_a_copier_reads(tmp_path):

@@ -3,6 +3,7 @@ torchrun's --master_port=0 refused in one line (each torchrun script's setup_dis
 count (common.set_threads_and_math: the cores of the affinity mask shared among the processes of the machine)."""
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,35 +11,15 @@ import time
 
 import pytest
 
-import conftest
-from conftest import ROOT, TIMEOUT, alive, assert_exit, checkpoint, clean_env, descendants, kill_tree
+from conftest import assert_exit, checkpoint
+from processes import LAUNCHER_PICKS_PORT, TIMEOUT, Proc, alive, clean_env, descendants, torchrun
 from test_precision import see_env, seen
-
-
-def start(cmd, env, logs, **kw):
-    """`cmd` in a session of its own, its output in files under `logs`, not pipes: a process it leaves behind, still
-    holding them, cannot keep the test waiting for its output."""
-    logs.mkdir(exist_ok=True)
-    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True, **kw)
-    p.logs = logs
-    return p
-
-
-def output(p):
-    return (p.logs / "stdout").read_text(), (p.logs / "stderr").read_text()
 
 
 def finish(p, timeout):
     """p's output once it has exited; past `timeout` its whole tree is killed and the test fails."""
-    try:
-        p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(p.pid)
-        p.wait(timeout=30)
-        out, err = output(p)
-        raise AssertionError(f"still running after {timeout} s: {' '.join(p.args)}\n{out[-2000:]}\n{err[-6000:]}")
-    return output(p)
+    p.wait(expect=None, timeout=timeout)
+    return p.stdout, p.stderr
 
 
 # ---- Ctrl-C: "every process unwinds, destroys its process group and exits; no half-written file, no orphan"
@@ -60,7 +41,7 @@ if os.environ.get("GONE_DIR") and "multiprocessing.resource_tracker" not in " ".
 LONG = ["--train-size", 20000, "--val-size", 20, "--batch-size", 8, "--save-every", 2]  # minutes of training
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("launch", ["spawn", "torchrun"])
 def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
     """Ctrl-C in a terminal sends SIGINT to the foreground process group: here, the group of the session the run
@@ -80,18 +61,12 @@ def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
     (hook_dir / "sitecustomize.py").write_text(GONE)
     env = clean_env(GONE_DIR=str(gone_dir),
                     PYTHONPATH=os.pathsep.join(filter(None, [str(hook_dir), os.environ.get("PYTHONPATH")])))
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *conftest.LAUNCHER_PICKS_PORT,
-            "ddp_launch_train.py"] if launch == "torchrun" else [sys.executable, "ddp_spawn_train.py", "--nprocs", "2"])
-    # SIGINT as a terminal leaves it: a shell that runs the tests in the background (`pytest &`) ignores it, and so,
-    # inherited, would every process, and Python would install no KeyboardInterrupt for it
-    p = start([*cmd, *map(str, LONG), "--out-dir", str(out)], env, tmp_path / "logs",
-              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") if launch == "torchrun"
+           else [sys.executable, "ddp_spawn_train.py", "--nprocs", "2"])
+    # SIGINT as a terminal leaves it (processes.Proc: whatever the shell that runs the tests ignores)
+    p = Proc([*cmd, *map(str, LONG), "--out-dir", str(out)], tmp_path / "logs", env=env)
     try:
-        t = time.time()
-        while not (out / "last.pt").exists():  # training, and a checkpoint written
-            assert p.poll() is None, output(p)
-            assert time.time() - t < 180, "no last.pt after 180 s"
-            time.sleep(0.2)
+        p.until((out / "last.pt").exists, "training, and a checkpoint written")
         tree = descendants(p.pid)  # listed now: an orphan can no longer be traced to its launcher
         workers = [w for w in tree if "spawn_main" in open(f"/proc/{w}/cmdline").read()
                    or "ddp_launch_train.py" in open(f"/proc/{w}/cmdline").read()]
@@ -99,8 +74,7 @@ def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
         os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
         _, err = finish(p, 90)  # torchrun waits up to 30 s for its workers before it kills them
     finally:
-        if p.poll() is None:
-            kill_tree(p.pid)
+        p.kill()
     t = time.time()
     while [q for q in tree if alive(q)] and time.time() - t < 30:  # mp.spawn's resource tracker leaves last
         time.sleep(0.2)
@@ -126,10 +100,9 @@ def test_torchrun_master_port_0_is_one_error_line(tmp_path, script):
     MASTER_PORT=0: the script's setup_distributed refuses it on every rank (a UsageError: status 2) rather than let
     them try to reach port 0 until the 10-minute timeout. conftest.run's torchrun adds a --master_port of its own:
     not used."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", script,
-           "--train-size", "64", "--val-size", "20", "--batch-size", "8", "--max-steps", "2",
-           "--out-dir", str(tmp_path / "out")]
-    p = start(cmd, clean_env(), tmp_path / "logs")
+    cmd = torchrun("--nproc_per_node=2", "--master_port=0", script, "--train-size", "64", "--val-size", "20",
+                   "--batch-size", "8", "--max-steps", "2", "--out-dir", str(tmp_path / "out"))
+    p = Proc(cmd, tmp_path / "logs")
     out, err = finish(p, 120)
     p = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     errors = [line for line in (out + err).splitlines() if "error:" in line]
@@ -145,20 +118,19 @@ TWO_CPUS = pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 CPUs in this proce
 
 @pytest.mark.parametrize("script,nprocs,cpus,threads", [
     # torch's own default would be 2 (the cores of the mask) in each: set_threads_and_math makes it 2 // 2
-    pytest.param("ddp_spawn_train.py", 2, 2, 1, marks=[TWO_CPUS, pytest.mark.slow], id="spawn-2-processes-2-cpus"),
+    pytest.param("ddp_spawn_train.py", 2, 2, 1, marks=[TWO_CPUS, pytest.mark.full], id="spawn-2-processes-2-cpus"),
     pytest.param("ddp_launch_train.py", None, 2, 2, marks=TWO_CPUS, id="one-process-2-cpus"),
     pytest.param("ddp_launch_train.py", None, 1, 1, id="one-process-1-cpu"),
 ])
 def test_default_threads_share_the_affinity_mask(tmp_path, script, nprocs, cpus, threads):
     """Observed in each training process (SEE's record at its first training forward), not computed here."""
     env, see_dir = see_env(tmp_path)
-    env = clean_env(**env)
-    del env["OMP_NUM_THREADS"]  # the case under test: nobody chose
-    mask = CPUS[:cpus]
-    cmd = [sys.executable, script, "--train-size", "64", "--val-size", "20", "--batch-size", "8", "--max-steps", "2",
-           "--out-dir", str(tmp_path / "out")]
+    env = clean_env(**env, OMP_NUM_THREADS=None)  # the case under test: nobody chose
+    mask = ",".join(map(str, CPUS[:cpus]))
+    cmd = [shutil.which("taskset"), "-c", mask, sys.executable, script, "--train-size", "64", "--val-size", "20",
+           "--batch-size", "8", "--max-steps", "2", "--out-dir", str(tmp_path / "out")]
     cmd += ["--nprocs", str(nprocs)] if nprocs else []
-    p = start(cmd, env, tmp_path / "logs", preexec_fn=lambda: os.sched_setaffinity(0, mask))  # as `taskset -c`
+    p = Proc(cmd, tmp_path / "logs", env=env)
     out, err = finish(p, TIMEOUT)
     assert p.returncode == 0, out[-2000:] + err[-4000:]
     processes = seen(see_dir)

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (LAUNCHER_PICKS_PORT, address_in_use, assert_exit, children, free_port)
-from hooks import REPO, TIMEOUT, Hooks, Proc, clean_env, signal_pending, torchrun, worker_env
+from conftest import PROOF, STEPS_PER_EPOCH, assert_exit, per_process
+from hooks import Hooks
+from processes import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, Proc, address_in_use, children, clean_env, command,
+                       free_port, run, signal_pending, torchrun, worker_env)
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
-# 384 samples, 2 processes x 12: 16 steps per epoch, a checkpoint every 4 steps
-TINY = ["--train-size", "384", "--val-size", "101", "--batch-size", "12", "--epochs", "3", "--save-every", "4",
-        "--resume", "auto"]
-STEPS_PER_EPOCH = 16
+# the proof runs' flags (conftest.PROOF), 2 processes: 16 steps per epoch, 3 epochs, a checkpoint every 4 steps
+TINY = [*PROOF, *per_process(2), "--save-every", "4", "--resume", "auto"]
 EXTRA = {"ddp_amp_train.py": ["--precision", "bf16"]}
 
 
@@ -39,19 +38,19 @@ def script_args(script, out_dir, *more):
     return [script, *TINY, *EXTRA.get(script, []), "--out-dir", str(out_dir), *more]
 
 
-def run(cmd, log, env=None, cwd=REPO):
-    return Proc(cmd, log, env, cwd).wait()
+def start(cmd, folder, env=None, cwd=ROOT, fork=False):
+    return Proc(cmd, folder, env=env, cwd=cwd, merge=True, fork=fork)
 
 
-def run_on_a_free_port(make_cmd, log):
-    """run(make_cmd(port)) on a port picked free, again on another while the run fails on "address in use"."""
+def run_on_a_free_port(make_cmd, folder):
+    """make_cmd(port) to its end, on a port picked free, again on another while it fails on "address in use"."""
     for attempt in range(5):
-        proc = Proc(make_cmd(free_port()), log)
-        output = proc.wait(expect=None)
-        if not (proc.p.returncode and address_in_use(output)) or attempt == 4:
+        proc = start(make_cmd(free_port()), folder / f"attempt{attempt}")
+        proc.wait(expect=None)
+        if not (proc.returncode and address_in_use(proc.output())) or attempt == 4:
             break
-    assert proc.p.returncode == 0, f"exit status {proc.p.returncode}: {' '.join(proc.cmd)}\n{output[-3000:]}"
-    return output
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {proc.tail()}"
+    return proc.output()
 
 
 def weights(path):
@@ -69,43 +68,44 @@ def metrics(out_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The final weights of an uninterrupted `torchrun --nproc_per_node=2` run of a script with TINY, computed once."""
-    cache = {}
+def reference(shared, tmp_path_factory):
+    """The final weights of an uninterrupted run of 2 processes of a script with TINY: the shared proof run where
+    there is one (conftest.SHARED), else one made once here; by hand (env://), which trains as torchrun does
+    (test_proof.test_launch_style_invariance)."""
+    names, made = {("ddp_launch_train.py", ()): "launch2", ("fsdp_train.py", ()): "fsdp2"}, {}
 
     def get(script, *more):
-        if (script, more) not in cache:
-            out = tmp_path_factory.mktemp("reference")
-            launch = torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT)
-            run(launch + script_args(script, out / "run", *more), out / "log")
-            rows = metrics(out / "run")
+        if (script, more) in names:
+            return weights(os.path.join(shared(names[script, more]), "last.pt"))
+        if (script, more) not in made:
+            out = tmp_path_factory.mktemp("reference") / "run"
+            run(*script_args(script, out, *more), launcher="ranks", nproc=2)
+            rows = metrics(out)
             assert [r["epoch"] for r in rows] == [1, 2, 3] and {r["world_size"] for r in rows} == {2}
-            cache[script, more] = weights(out / "run" / "last.pt")
-        return cache[script, more]
+            made[script, more] = out
+        return weights(made[script, more] / "last.pt")
     return get
 
 
 # ---- 1. torchrun restarts a worker group after one of its workers died, from the mid-epoch checkpoint
-@pytest.mark.slow
 @pytest.mark.parametrize("script, victim_rank, more", [
-    ("ddp_launch_train.py", 0, ("--model", "squeezenet1_1")),  # with dropout: the saved RNG states make it exact
-    ("ddp_amp_train.py", 1, ()), pytest.param("fsdp_train.py", 1, (), marks=pytest.mark.floor)])
+    # with dropout: the saved RNG states make it exact
+    pytest.param("ddp_launch_train.py", 0, ("--model", "squeezenet1_1"), marks=pytest.mark.full),
+    ("ddp_amp_train.py", 1, ()), pytest.param("fsdp_train.py", 1, (), marks=[pytest.mark.floor, pytest.mark.full])])
 def test_torchrun_restart_after_a_killed_worker_ends_with_the_uninterrupted_weights(script, victim_rank, more,
                                                                                    reference, tmp_path):
     out = tmp_path / "run"
     last = out / "last.pt"
-    proc = Proc(torchrun("--nproc_per_node=2", "--max-restarts=3", *LAUNCHER_PICKS_PORT)
-                + script_args(script, out, *more), tmp_path / "log")
+    proc = start(torchrun("--nproc_per_node=2", "--max-restarts=3", *LAUNCHER_PICKS_PORT)
+                 + script_args(script, out, *more), tmp_path / "log")
     try:
         # the first checkpoint appears at step 4 of epoch 1 (of 16): kill one worker right then, mid-epoch
-        while not last.exists():
-            assert proc.p.poll() is None, f"the run ended before its first checkpoint\n{proc.output()[-3000:]}"
-            assert time.monotonic() < proc.deadline, "no checkpoint appeared"
-            time.sleep(0.01)
-        workers = {int(worker_env(pid).get("RANK", -1)): pid for pid in children(proc.p.pid)}
-        assert set(workers) >= {0, 1}, f"workers of torchrun (pid {proc.p.pid}) not found: {workers}"
+        proc.until(last.exists, "the first checkpoint")
+        workers = {int(worker_env(pid).get("RANK", -1)): pid for pid in children(proc.pid)}
+        assert set(workers) >= {0, 1}, f"workers of torchrun (pid {proc.pid}) not found: {workers}"
         os.kill(workers[victim_rank], signal.SIGKILL)
-        log = proc.wait()
+        proc.wait()
+        log = proc.output()
     finally:
         proc.kill()
     resumed = [int(s) for s in re.findall(r"resuming at step (\d+)", log)]
@@ -120,14 +120,14 @@ def start_nodes(make_nodes, ready):
     """The nodes make_nodes(port) starts, on a port picked free, once ready(nodes) or one of them has ended; started
     again on another port while one ends failing on "address in use" (another process took the port first)."""
     for attempt in range(5):
-        nodes = make_nodes(free_port())
-        while not (ready(nodes) or any(n.p.poll() is not None for n in nodes)):
+        nodes = make_nodes(free_port(), attempt)
+        while not (ready(nodes) or any(n.poll() is not None for n in nodes)):
             if time.monotonic() > nodes[0].deadline:
                 for n in nodes:
                     n.kill(diagnose=True)
                 pytest.fail(f"timed out\n{nodes[0].output()[-3000:]}")
             time.sleep(0.02)
-        if attempt < 4 and any(n.p.poll() for n in nodes) and any(address_in_use(n.output()) for n in nodes):
+        if attempt < 4 and any(n.poll() for n in nodes) and any(address_in_use(n.output()) for n in nodes):
             for n in nodes:
                 n.kill()
             continue
@@ -135,22 +135,24 @@ def start_nodes(make_nodes, ready):
 
 
 def two_nodes(tmp_path, name, *more, launcher=torchrun):
-    nodes = start_nodes(lambda port: [
-        Proc(launcher("--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-                      f"--master_port={port}") + script_args("ddp_launch_train.py", tmp_path / f"node{r}", *more),
-             tmp_path / f"{name}-node{r}.log") for r in (0, 1)], ready=lambda nodes: False)
+    """Both nodes' output, once they have ended."""
+    nodes = start_nodes(lambda port, attempt: [
+        start(launcher("--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                       f"--master_port={port}") + script_args("ddp_launch_train.py", tmp_path / f"node{r}", *more),
+              tmp_path / f"{name}-{attempt}-node{r}") for r in (0, 1)], ready=lambda nodes: False)
     try:
-        if any(n.p.returncode for n in nodes):  # one failed: the other may wait for it until its deadline
+        if any(n.returncode for n in nodes):  # one failed: the other may wait for it until its deadline
             for n in nodes:
                 n.kill()
         for node in nodes:
             node.wait()
+        return [node.output() for node in nodes]
     finally:
         for node in nodes:
             node.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_two_nodes_train_like_one_node_with_two_processes_and_resume_from_node0s_checkpoint(reference, tmp_path):
     # stop mid-epoch 2 (step 20 of 48): only node 0 (rank 0) writes; node 1 has no checkpoint of its own
     two_nodes(tmp_path, "first", "--max-steps", "20")
@@ -158,14 +160,13 @@ def test_two_nodes_train_like_one_node_with_two_processes_and_resume_from_node0s
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["world_size"]) == (1, 4, 2)
     assert not (tmp_path / "node1" / "last.pt").exists()
     # --resume auto on both nodes: rank 0 reads node 0's file and sends it to node 1
-    two_nodes(tmp_path, "second")
-    assert "resuming at step 20" in (tmp_path / "second-node0.log").read_text()
+    assert "resuming at step 20" in two_nodes(tmp_path, "second")[0]
     assert [r["epoch"] for r in metrics(tmp_path / "node0")] == [1, 2, 3]
     assert_same_weights(weights(tmp_path / "node0" / "last.pt"), reference("ddp_launch_train.py"))
     assert not (tmp_path / "node1" / "last.pt").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_elastic_two_nodes_restart_together_after_a_worker_dies(reference, tmp_path):
     # torchrun's elastic rendezvous (c10d) with two nodes. A worker on one node dies: its agent restarts it and counts
     # a restart; the other agent restarts its own worker because a node waits to rejoin, and counts none. The new
@@ -176,19 +177,20 @@ def test_elastic_two_nodes_restart_together_after_a_worker_dies(reference, tmp_p
     def watch(until, nodes):
         while not until():
             for node, pids in zip(nodes, started):
-                pids.update(pid for pid in children(node.p.pid) if "RANK" in worker_env(pid))
+                pids.update(pid for pid in children(node.pid) if "RANK" in worker_env(pid))
             assert time.monotonic() < nodes[0].deadline, f"timed out\n{nodes[0].output()[-3000:]}"
             time.sleep(0.02)
 
     def first_checkpoint(nodes):  # the workers seen meanwhile (any of an attempt on a port taken: none)
         started[:] = [set(), set()]
-        watch(lambda: (out / "last.pt").exists() or any(n.p.poll() is not None for n in nodes), nodes)
+        watch(lambda: (out / "last.pt").exists() or any(n.poll() is not None for n in nodes), nodes)
         return True
 
-    nodes = start_nodes(lambda port: [
-        Proc(torchrun("--nnodes=2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test{port}")
-             + script_args("ddp_launch_train.py", out), tmp_path / f"node{r}.log") for r in (0, 1)], first_checkpoint)
+    nodes = start_nodes(lambda port, attempt: [
+        start(torchrun("--nnodes=2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test{port}")
+              + script_args("ddp_launch_train.py", out), tmp_path / f"node{r}-{attempt}") for r in (0, 1)],
+        first_checkpoint)
     try:
         assert all(len(pids) == 1 for pids in started), f"workers: {started}"
         alive, victim = (pids.copy().pop() for pids in started)
@@ -196,8 +198,10 @@ def test_elastic_two_nodes_restart_together_after_a_worker_dies(reference, tmp_p
         os.kill(victim, signal.SIGKILL)
         watch(lambda: signal_pending(alive, signal.SIGTERM), nodes)  # ...but only stops when its agent ends it
         os.kill(alive, signal.SIGCONT)
-        watch(lambda: all(n.p.poll() is not None for n in nodes), nodes)
-        logs = [n.wait() for n in nodes]
+        watch(lambda: all(n.poll() is not None for n in nodes), nodes)
+        for n in nodes:
+            n.wait()
+        logs = [n.output() for n in nodes]
     finally:
         for n in nodes:
             n.kill()
@@ -213,9 +217,8 @@ def deprecated_launch(*launcher_args):
     return [sys.executable, "-m", "torch.distributed.launch", *launcher_args]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("script, use_env", [pytest.param("ddp_launch_train.py", False, marks=pytest.mark.floor),
-                                             ("ddp_amp_train.py", True)])
+                                             pytest.param("ddp_amp_train.py", True, marks=pytest.mark.full)])
 def test_the_deprecated_launcher_trains_as_torchrun(script, use_env, reference, tmp_path):
     """Without --use-env it passes --local-rank=N before the script's arguments (and sets LOCAL_RANK); with it,
     nothing."""
@@ -226,10 +229,10 @@ def test_the_deprecated_launcher_trains_as_torchrun(script, use_env, reference, 
     assert_same_weights(weights(tmp_path / "run" / "last.pt"), reference(script))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_the_deprecated_launcher_on_two_nodes_trains_as_torchrun(reference, tmp_path):
-    two_nodes(tmp_path, "launch", launcher=deprecated_launch)  # --nnodes=2 --node_rank=0/1 --master_addr=127.0.0.1
-    assert "torch.distributed.launch is deprecated" in (tmp_path / "launch-node1.log").read_text()
+    # --nnodes=2 --node_rank=0/1 --master_addr=127.0.0.1
+    assert "torch.distributed.launch is deprecated" in two_nodes(tmp_path, "launch", launcher=deprecated_launch)[1]
     assert_same_weights(weights(tmp_path / "node0" / "last.pt"), reference("ddp_launch_train.py"))
 
 
@@ -251,8 +254,8 @@ MPI_LAUNCH = {  # how each passes the rendezvous (and one thread per process) to
                            "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", str(port)]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flavour", [pytest.param("openmpi", marks=pytest.mark.floor), "mpich"])
+@pytest.mark.parametrize("flavour", [pytest.param("openmpi", marks=pytest.mark.floor),
+                                     pytest.param("mpich", marks=pytest.mark.full)])
 def test_mpirun_trains_like_torchrun(flavour, reference, tmp_path):
     out = tmp_path / "run"
     log = run_on_a_free_port(lambda port: MPI_LAUNCH[flavour](port) + [sys.executable]
@@ -261,25 +264,25 @@ def test_mpirun_trains_like_torchrun(flavour, reference, tmp_path):
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
-@pytest.mark.parametrize("flavour", ["openmpi", "mpich"])
+@pytest.mark.parametrize("flavour", ["openmpi", pytest.param("mpich", marks=pytest.mark.full)])
 def test_bad_input_under_mpirun_is_one_line_from_rank_0(flavour, tmp_path):
     """Each rank refuses `--epochs 0`; only the one that mpirun calls rank 0 prints it (common.run reads its rank)."""
-    proc = Proc(MPI_LAUNCH[flavour](free_port()) + [sys.executable, "ddp_launch_train.py", "--epochs", "0"],
-                tmp_path / "log")
-    log = proc.wait(expect=None)
-    assert proc.p.returncode != 0, log[-3000:]
+    proc = start(MPI_LAUNCH[flavour](free_port()) + [sys.executable, "ddp_launch_train.py", "--epochs", "0"],
+                 tmp_path / "log")
+    proc.wait(expect=None)
+    log = proc.output()
+    assert proc.returncode != 0, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--epochs" in errors[0], log[-3000:]
 
 
-@pytest.mark.slow
 def test_ranks_started_by_hand_without_local_rank_train_like_torchrun(reference, tmp_path):
     """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT only, as a Kubernetes PyTorchJob sets them: one process per
     machine (here two "machines" on one)."""
     out = tmp_path / "run"
-    nodes = start_nodes(lambda port: [
-        Proc([sys.executable] + script_args("ddp_launch_train.py", out), tmp_path / f"rank{r}.log",
-             env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    nodes = start_nodes(lambda port, attempt: [
+        start([sys.executable] + script_args("ddp_launch_train.py", out), tmp_path / f"rank{r}-{attempt}",
+              env=dict(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port), fork=True)
         for r in (0, 1)], ready=lambda nodes: False)
     for node in nodes:
         node.wait()
@@ -288,23 +291,22 @@ def test_ranks_started_by_hand_without_local_rank_train_like_torchrun(reference,
 
 
 # ---- 4. SLURM
-def sbatch(cluster, args, tmp_path, cwd=REPO, each_poll=None, env=None):
+def sbatch(cluster, args, tmp_path, cwd=ROOT, each_poll=None, env=None):
     """Submit a batch job and wait for its end (polling faster than `sbatch --wait`); fail unless it completed.
     each_poll(job, env): called at every poll while the job is there (to signal it); env: more variables for it."""
     env = clean_env(cluster.env(), **(env or {}))
-    submitted = run(["sbatch", "--parsable", "--time=2", *args], tmp_path / "sbatch.log", env=env, cwd=cwd)
+    submitted = command(["sbatch", "--parsable", "--time=2", *args], env=env, cwd=cwd, check=True).stdout
     job = re.findall(r"^(\d+)(?:;\S*)?$", submitted, re.M)[-1]  # "<job id>[;<cluster>]", after any warnings
     deadline = time.monotonic() + TIMEOUT
     while True:
-        info = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True,
-                              env=env, timeout=30).stdout
+        info = command(["scontrol", "show", "job", "--oneliner", job], env=env, timeout=30).stdout
         state = re.search(r"JobState=(\S+)", info)
         if each_poll:
             each_poll(job, env)
         if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
             break
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job], env=env, timeout=30)
+            command(["scancel", job], env=env, timeout=30)
             pytest.fail(f"batch job {job} did not end in {TIMEOUT}s: {info}")
         time.sleep(0.2)
     output = (Path(cwd) / re.search(r"StdOut=(\S+)", info).group(1)).read_text(errors="replace") \
@@ -317,15 +319,15 @@ def srun(cluster, tmp_path, options, args, hooks=None, ready=None):
     """`srun --ntasks=2 <options> python <args>`, started; once ready(proc) (or it ended), started again (a new job:
     a new port, which the scripts derive from the job id) while it failed on "address in use"."""
     for attempt in range(5):
-        proc = Proc(["srun", "--ntasks=2", *options, sys.executable, *args], tmp_path / "log",
-                    env=clean_env(cluster.env(), **(hooks.env if hooks else {})))
-        while not (ready and ready(proc)) and proc.p.poll() is None and time.monotonic() < proc.deadline:
+        proc = start(["srun", "--ntasks=2", *options, sys.executable, *args], tmp_path / f"srun{attempt}",
+                     env=clean_env(cluster.env(), **(hooks.env if hooks else {})))
+        while not (ready and ready(proc)) and proc.poll() is None and time.monotonic() < proc.deadline:
             time.sleep(0.02)
-        if not (proc.p.poll() and address_in_use(proc.output())) or attempt == 4:
+        if not (proc.poll() and address_in_use(proc.output())) or attempt == 4:
             return proc
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.floor
 def test_srun_trains_like_torchrun(slurm, reference, tmp_path):
     out = tmp_path / "run"
@@ -348,6 +350,7 @@ def agreed_stop(log, sig):
     return steps[0]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 0)], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_an_srun_step_reaches_every_task_which_save_at_the_step_they_agreed_on(slurm, sig, code,
                                                                                           tmp_path):
@@ -363,12 +366,13 @@ def test_a_signal_to_an_srun_step_reaches_every_task_which_save_at_the_step_they
         before = torch.load(out / "last.pt", map_location="cpu", weights_only=True)["step_in_epoch"]
         job = worker_env(hooks.paused()[0])["SLURM_JOB_ID"]
         if sig == signal.SIGUSR1:
-            os.kill(proc.p.pid, sig)  # to srun
+            os.kill(proc.pid, sig)  # to srun
         else:
-            subprocess.run(["scancel", job], env=clean_env(slurm.env()), timeout=30, check=True)
+            command(["scancel", job], env=clean_env(slurm.env()), timeout=30, check=True)
         proc.until(lambda: all(hooks.handled(pid, sig) for pid in hooks.paused().values()), f"{sig.name} taken")
         hooks.go()
-        log = proc.wait(expect=None)
+        proc.wait(expect=None)
+        log = proc.output()
     finally:
         proc.kill()
     assert before == 4
@@ -380,6 +384,7 @@ def test_a_signal_to_an_srun_step_reaches_every_task_which_save_at_the_step_they
     assert [p.name for p in out.iterdir() if ".tmp" in p.name] == []
 
 
+@pytest.mark.full
 @pytest.mark.floor
 def test_plain_python_in_an_sbatch_script_is_one_process(slurm, tmp_path):
     # the batch script runs once, on the first node, with SLURM_PROCID=0 and SLURM_NTASKS=2 but no job step:
@@ -387,7 +392,7 @@ def test_plain_python_in_an_sbatch_script_is_one_process(slurm, tmp_path):
     out = tmp_path / "run"
     batch = tmp_path / "job.sh"
     batch.write_text("#!/bin/bash\nset -e\nenv | grep ^SLURM_ | sort > env.txt\n"
-                     f"exec {sys.executable} {REPO / 'ddp_launch_train.py'} --train-size 96 --val-size 20 "
+                     f"exec {sys.executable} {ROOT / 'ddp_launch_train.py'} --train-size 96 --val-size 20 "
                      f"--batch-size 12 --epochs 1 --out-dir {out}\n")
     sbatch(slurm, ["--ntasks=2", f"--output={tmp_path / 'job.out'}", batch], tmp_path, cwd=tmp_path)
     job_env = dict(line.split("=", 1) for line in (tmp_path / "env.txt").read_text().splitlines())
@@ -395,19 +400,19 @@ def test_plain_python_in_an_sbatch_script_is_one_process(slurm, tmp_path):
     assert [(r["epoch"], r["world_size"]) for r in metrics(out)] == [(1, 1)]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_the_example_sbatch_script_trains_on_the_cluster(slurm, reference, tmp_path):
     out = tmp_path / "run"
     # one node with 2 CPUs: override the script's nodes, tasks and CPUs (and its output file) on the command line
     # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
     sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
                    f"--output={tmp_path / 'job.out'}",
-                   REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path)
+                   ROOT / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path)
     assert {r["world_size"] for r in metrics(out)} == {2}, (tmp_path / "job.out").read_text()[-3000:]
     assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_exactly(slurm, reference,
                                                                                       tmp_path):
     # what --signal=B:USR1@120 does near the time limit: SIGUSR1 to the batch script, here while both tasks wait at
@@ -419,14 +424,14 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_ex
     def signal_at_the_pause(job, env):
         paused = hooks.paused()
         if not sent and sorted(paused) == [0, 1]:
-            subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, timeout=30, check=True)
+            command(["scancel", "--batch", "--signal=USR1", job], env=env, timeout=30, check=True)
             sent.append(paused)
         if sent and all(hooks.handled(pid, signal.SIGUSR1) for pid in sent[0].values()):
             hooks.go()  # both tasks have it: on they go
     # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
     sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
                    f"--output={tmp_path / 'job.out'}",
-                   REPO / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path,
+                   ROOT / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path,
            each_poll=signal_at_the_pause, env=hooks.env)
     log = (tmp_path / "job.out").read_text()  # both runs of the job: the script opens it to append
     stop = agreed_stop(log, signal.SIGUSR1)

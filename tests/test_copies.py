@@ -6,7 +6,8 @@ import shutil
 
 import torch
 
-from conftest import ROOT, checkpoint, run
+from conftest import checkpoint
+from processes import ROOT, run
 from test_adapt import AS_THEY_COME, MY_PROJECT, adapted_copy
 
 TRAIN = ["--epochs", 1, "--max-steps", 2, "--batch-size", 16, "--lr", 0.5, "--workers", 0]

@@ -2,7 +2,9 @@
 empty folder and edited the way a copier would (the model and data lines swapped for the copier's own map-style
 Dataset and nn.Module, with dropout, in a mine.py beside it), keeps every guarantee under 2 processes (dp_train.py in
 one): it learns, a resume lands bit for bit where an unbroken run does, a NaN stops every rank at one step, a SIGTERM
-saves at a step every rank agrees on, and an extra that was not copied (--dataset mnist) is one line and exit 2.
+saves at a step every rank agrees on, and an extra that was not copied (--dataset mnist) is one line and exit 2. The
+copies of the launcher-started scripts run as 2 ranks started by hand (env://), ddp_spawn_train.py's by its own
+mp.spawn; under torchrun itself: an extra not copied, a DataLoader worker that never answers, the Transformer.
 
 Also: every script's default CPU run on a Python without the Linux-only APIs (simulated by a sitecustomize.py), and a
 non-image model (a Transformer encoder over int64 tokens) trained through copied ddp_launch_train.py and
@@ -15,23 +17,21 @@ import difflib
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, assert_exit, checkpoint, clean_env, communicate, max_diff,
-                      metrics, worker_exit_codes)
+from conftest import assert_exit, checkpoint, max_diff, metrics, worker_exit_codes
+from processes import ROOT, TIMEOUT, run
 
-SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process)
-    "ddp_launch_train.py": "torchrun",
+SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process); ranks: by hand, env://
+    "ddp_launch_train.py": "ranks",
     "ddp_spawn_train.py": "spawn",
-    "ddp_amp_train.py": "torchrun",
-    "fsdp_train.py": "torchrun",
+    "ddp_amp_train.py": "ranks",
+    "fsdp_train.py": "ranks",
     "dp_train.py": "python",
 }
-PROCESSES = {"torchrun": 2, "spawn": 2, "python": 1}
+PROCESSES = {"torchrun": 2, "ranks": 2, "spawn": 2, "python": 1}
 
 # ---- the copier's own data and model: a map-style Dataset of (float tensor, int label), no `classes` attribute, and
 # an MLP with dropout (which draws from each rank's generator: a resume must restore them to be exact)
@@ -175,21 +175,12 @@ def copy_alone(folder, script, mine=None):
 
 def launch(folder, script, *args, how="python", env=None, unset=(), timeout=TIMEOUT):
     """`script` in `folder` (its working directory, and the only place its imports come from): plain python,
-    `--nprocs 2` (spawn), or torchrun with 2 processes (its rendezvous on a port it picks). The environment is
-    clean_env's plus `env`, less the variables `unset`. On timeout, every process it started is killed."""
-    if how == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *LAUNCHER_PICKS_PORT, script]
-    else:
-        cmd = [sys.executable, script] + (["--nprocs", "2"] if how == "spawn" else [])
-    cmd += [str(a) for a in args]
-    token = f"core-{os.getpid()}-{time.monotonic_ns()}"  # to find (and dump the stacks of) what it started
-    environment = clean_env(**(env or {}), TEST_RUN=token)
-    for name in unset:
-        environment.pop(name, None)
-    p = subprocess.Popen(cmd, cwd=folder, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    out, err = communicate(p, timeout, token, spare_launcher=how == "torchrun")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    `--nprocs 2` (spawn), 2 ranks started by hand, or torchrun with 2 processes. The environment is clean_env's plus
+    `env`, less the variables `unset`."""
+    launcher = {"spawn": "python", "python": "python", "ranks": "ranks", "torchrun": "torchrun"}[how]
+    nproc = {"spawn": 2, "python": None, "ranks": 2, "torchrun": 2}[how]
+    env = {**(env or {}), **{name: None for name in unset}}
+    return run(script, *args, launcher=launcher, nproc=nproc, env=env, cwd=folder, check=False, timeout=timeout)
 
 
 def ok(p):
@@ -243,9 +234,9 @@ def mine_copy(tmp_path_factory):
     return get
 
 
-# DataLoader workers where the processes start another way: the default 2 in one process and under torchrun; 1 in
-# mp.spawn's children, whose workers start by `spawn` and import mine.py anew (seconds each, every loader); the
-# scripts under torchrun alike (ddp_amp, fsdp) read the data in the process. Forked workers on this Python (3.11.7,
+# DataLoader workers where the processes start another way: the default 2 in one process and in ranks started by hand;
+# 1 in mp.spawn's children, whose workers start by `spawn` and import mine.py anew (seconds each, every loader); the
+# scripts started alike (ddp_amp, fsdp) read the data in the process. Forked workers on this Python (3.11.7,
 # without train_extras/workers.py) may rarely deadlock (python/cpython#112275): 24 forked starts in all here
 WORKERS = {"dp_train.py": 2, "ddp_launch_train.py": 2, "ddp_spawn_train.py": 1, "ddp_amp_train.py": 0,
            "fsdp_train.py": 0}
@@ -267,8 +258,8 @@ def unbroken(mine_copy, tmp_path_factory):
     return get
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [*(s for s in SCRIPTS if s != "ddp_spawn_train.py"),
+                                    pytest.param("ddp_spawn_train.py", marks=pytest.mark.full)])
 def test_copied_alone_with_my_dataset_and_model_it_learns_and_rank_0_logs_once(script, unbroken):
     """My Dataset read by DataLoader workers (WORKERS), my model learns; rank 0 alone writes and prints."""
     p, out = unbroken(script)
@@ -283,8 +274,9 @@ def test_copied_alone_with_my_dataset_and_model_it_learns_and_rank_0_logs_once(s
     assert position(checkpoint(str(out))) == STEPS
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [pytest.param("ddp_launch_train.py", marks=pytest.mark.floor),
+                                    *(pytest.param(s, marks=pytest.mark.full) for s in SCRIPTS
+                                      if s != "ddp_launch_train.py")])
 def test_copied_alone_a_resume_mid_epoch_ends_bit_for_bit_where_an_unbroken_run_does(script, mine_copy, unbroken,
                                                                                       tmp_path):
     """--max-steps 21 (mid-epoch 2), then --resume auto to the end: the weights, the optimizer state (momentum) and
@@ -304,8 +296,8 @@ def test_copied_alone_a_resume_mid_epoch_ends_bit_for_bit_where_an_unbroken_run_
                                                                   expected["val_acc"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["ddp_launch_train.py", "ddp_spawn_train.py", "dp_train.py"])
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", pytest.param("ddp_spawn_train.py", marks=pytest.mark.full),
+                                    pytest.param("dp_train.py", marks=pytest.mark.full)])
 def test_copied_alone_a_nan_loss_on_one_rank_stops_every_rank_at_one_step_with_one_line(script, mine_copy, tmp_path):
     """The loss NaN at step 3 on the last rank only: every process exits 1, one `error:` line names step 3, and no
     checkpoint was written after it (the first save is at step 16). Under torchrun, mp.spawn and one process;
@@ -323,8 +315,8 @@ def test_copied_alone_a_nan_loss_on_one_rank_stops_every_rank_at_one_step_with_o
     assert not os.path.exists(out / "metrics.jsonl") or metrics(out) == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", *(pytest.param(s, marks=pytest.mark.full) for s in SCRIPTS
+                                                              if s != "ddp_launch_train.py")])
 def test_copied_alone_sigterm_to_one_rank_saves_at_an_agreed_step_exits_143_and_the_resume_is_exact(
         script, mine_copy, unbroken, tmp_path):
     """SIGTERM to the last rank in its 7th training step (to the one process of dp_train.py): every rank stops at
@@ -347,14 +339,13 @@ def test_copied_alone_sigterm_to_one_rank_saves_at_an_agreed_step_exits_143_and_
     assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["ddp_launch_train.py", "dp_train.py"])
+@pytest.mark.parametrize("script", [pytest.param("ddp_launch_train.py", marks=pytest.mark.full), "dp_train.py"])
 def test_copied_alone_an_extra_not_copied_is_one_line_and_exit_2(script, tmp_path):
     """No train_extras/ beside the script (nor the copier's data: the default is the built-in synthetic set): one
     line naming train_extras/datasets.py, exit 2 (under torchrun: every worker's), no traceback; its flags are not
     the script's (--dataset: argparse's one line), and --help does not list them. (Every script calls
     common.load_data alike: tests/test_drift.py.)"""
-    folder, how = copy_alone(tmp_path / "project", script), SCRIPTS[script]
+    folder, how = copy_alone(tmp_path / "project", script), {"ddp_launch_train.py": "torchrun"}.get(script, "python")
     p = launch(folder, script, "--out-dir", tmp_path / "run", how=how)
     assert_exit(p, 2, nproc=2 if how == "torchrun" else None)
     lines = error_lines(p)
@@ -369,7 +360,7 @@ def test_copied_alone_an_extra_not_copied_is_one_line_and_exit_2(script, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py"])
 def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one_line_exit_3(script, mine_copy,
                                                                                             tmp_path):
@@ -377,7 +368,7 @@ def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one
     read): at the first batch of the run, in one process (dp_train.py) and under torchrun (every worker), the run ends
     after --step-timeout seconds with one `error:` line and exit 3, and no process is left. Under torchrun with
     train_extras/hangs.py copied too, which must leave a DataLoader's timeout alone (not "rank N never arrived")."""
-    how, out, folder = SCRIPTS[script], tmp_path / "run", mine_copy(script)
+    how, out, folder = {"ddp_launch_train.py": "torchrun"}.get(script, "python"), tmp_path / "run", mine_copy(script)
     if how == "torchrun":
         folder = shutil.copytree(folder, tmp_path / "project")
         (folder / "train_extras").mkdir()
@@ -447,6 +438,7 @@ def not_linux(tmp_path):
     return {"PYTHONPATH": str(site)}
 
 
+@pytest.mark.full
 def test_the_simulation_removes_the_linux_apis_and_torch_still_runs(not_linux, tmp_path):
     (tmp_path / "check.py").write_text(SIMULATION_CHECK)
     p = launch(tmp_path, "check.py", env=not_linux, unset=["OMP_NUM_THREADS"])
@@ -458,7 +450,7 @@ def test_the_simulation_removes_the_linux_apis_and_torch_still_runs(not_linux, t
 DEFAULT_CPU = ["--train-size", 256, "--val-size", 64, "--epochs", 1]  # small, the other flags their defaults
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("script, how", [("dp_train.py", "python"), ("ddp_spawn_train.py", "spawn"),
                                          ("fsdp_train.py", "python"), ("ddp_launch_train.py", "torchrun")])
 def test_a_default_cpu_run_works_without_the_linux_only_apis_nor_omp_num_threads(script, how, not_linux, tmp_path):
@@ -475,7 +467,7 @@ def test_a_default_cpu_run_works_without_the_linux_only_apis_nor_omp_num_threads
 
 
 # ---- 3. a non-image model, trained unchanged
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("script", ["ddp_launch_train.py", "fsdp_train.py"])
 def test_a_transformer_over_int64_tokens_trains_through_a_copied_script_with_channels_last_ignored(script,
                                                                                                    tmp_path):

@@ -8,17 +8,16 @@ for a step no checkpoint holds. The mounts need root (CI runs as root; REQUIRE_M
 ran)."""
 import os
 import shutil
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import ROOT, checkpoint, clean_env, communicate, metrics, run
+from conftest import checkpoint, metrics
 from hooks import Hooks
+from processes import Ranks, command, run
 from test_failures import one_error_line
 
-# 96 samples of batch 12 (6 a process under torchrun): 8 steps an epoch; the default cnn's last.pt is 9.2 MiB
+# 96 samples of batch 12 (6 a process on 2 ranks, started by hand): 8 steps an epoch; the default cnn's last.pt is
+# 9.2 MiB
 TINY = ["--train-size", 96, "--val-size", 20, "--epochs", 2]
 
 
@@ -38,21 +37,20 @@ def mount(tmp_path):
 
     def mount(path, *options):
         os.makedirs(path, exist_ok=True)
-        subprocess.run(["mount", *options, *([path] if "tmpfs" not in options else ["tmpfs"]), path], check=True,
-                       env=clean_env())
+        command(["mount", *options, *([path] if "tmpfs" not in options else ["tmpfs"]), path], check=True)
         done.append(path)
     yield mount
     for path in reversed(done):
-        subprocess.run(["umount", "-l", path], env=clean_env())
+        command(["umount", "-l", path])
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+@pytest.mark.parametrize("launcher", ["python", "ranks"])
 def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_whole(tmp_path, mount, launcher):
     """16 MiB: room for epoch 1's last.pt (9.2 MiB), not for epoch 2's beside it (written aside, then renamed)."""
-    out, nproc = tmp_path / "disk", 2 if launcher == "torchrun" else None
+    out, nproc = tmp_path / "disk", 2 if launcher == "ranks" else None
     mount(out, "-t", "tmpfs", "-o", "size=16m")
     p = run("ddp_launch_train.py", *TINY, *batch(nproc), "--out-dir", out, launcher=launcher, nproc=nproc, check=False)
-    line = one_error_line(p, 2, nproc)
+    line = one_error_line(p, 2)
     assert line == f"error: could not save {out / 'last.pt'}: No space left on device. The previous checkpoint is " \
         "whole", line
     assert checkpoint(str(out))["epoch"] == 1 and [r["epoch"] for r in metrics(str(out))] == [1]
@@ -63,36 +61,34 @@ def test_a_read_only_out_dir_is_one_line_at_the_first_save(tmp_path, mount):
     out = tmp_path / "ro"
     mount(out, "--bind")
     mount(out, "-o", "remount,bind,ro")
-    p = run("ddp_launch_train.py", *TINY, *batch(2), "--out-dir", out, launcher="torchrun", nproc=2, check=False)
-    assert one_error_line(p, 2, 2) == f"error: could not save {out / 'last.pt'}: Read-only file system. The previous " \
+    p = run("ddp_launch_train.py", *TINY, *batch(2), "--out-dir", out, launcher="ranks", nproc=2, check=False)
+    assert one_error_line(p, 2) == f"error: could not save {out / 'last.pt'}: Read-only file system. The previous " \
         "checkpoint is whole"
     assert os.listdir(out) == []
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("change", ["read_only", "removed"])
 def test_an_out_dir_made_read_only_or_removed_mid_run_is_one_line(tmp_path, request, change):
-    """At step 12 (in epoch 2, under torchrun) --out-dir is remounted read-only, or removed: epoch 2's save fails on
-    rank 0, every rank exits 2 with one line naming the cause. Read-only: epoch 1's checkpoint and row stay;
-    removed: nothing makes the folder again."""
+    """At step 12 (in epoch 2, 2 ranks) --out-dir is remounted read-only, or removed: epoch 2's save fails on rank 0,
+    every rank exits 2 with one line naming the cause. Read-only: epoch 1's checkpoint and row stay; removed:
+    nothing makes the folder again."""
     out, hooks = tmp_path / "out", Hooks(tmp_path, pause_at=12)
     mount = request.getfixturevalue("mount") if change == "read_only" else None  # (root only)
     if mount:
         mount(out, "--bind")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "ddp_launch_train.py", *map(str, [*TINY, *batch(2), "--out-dir", out])]
-    token = f"disks-{os.getpid()}-{time.monotonic_ns()}"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**hooks.env, TEST_RUN=token), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    t = time.monotonic()
-    while len(hooks.paused()) < 2 and proc.poll() is None and time.monotonic() - t < 120:
-        time.sleep(0.1)
-    mount(out, "-o", "remount,bind,ro") if mount else shutil.rmtree(out)
-    hooks.go("pause")
-    p = subprocess.CompletedProcess(cmd, None, *communicate(proc, 120, token, spare_launcher=True))
-    p.returncode = proc.returncode
+    ranks = Ranks("ddp_launch_train.py", [*TINY, *batch(2), "--out-dir", out], 2, env=hooks.env, timeout=120)
+    try:
+        ranks.procs[0].until(lambda: len(hooks.paused()) == 2, "both ranks at step 12")
+        mount(out, "-o", "remount,bind,ro") if mount else shutil.rmtree(out)
+        hooks.go("pause")
+        for rank in (0, 1):
+            ranks.wait(rank)
+    finally:
+        ranks.kill()
+    p = ranks.result()
     cause = "Read-only file system. " if mount else "No such file or directory. "
-    assert one_error_line(p, 2, 2).startswith(f"error: could not save {out / 'last.pt'}: {cause}")
+    assert one_error_line(p, 2).startswith(f"error: could not save {out / 'last.pt'}: {cause}")
     if mount:
         assert checkpoint(str(out))["epoch"] == 1 and [r["epoch"] for r in metrics(str(out))] == [1]
         assert sorted(os.listdir(out)) == ["last.pt", "metrics.jsonl"]
@@ -100,17 +96,17 @@ def test_an_out_dir_made_read_only_or_removed_mid_run_is_one_line(tmp_path, requ
         assert not out.exists()
 
 
-@pytest.mark.parametrize("launcher, how", [("python", "quota"), ("torchrun", "quota"), ("torchrun", "short")])
+@pytest.mark.parametrize("launcher, how", [("python", "quota"), ("ranks", "quota"), ("ranks", "short")])
 def test_a_metrics_row_that_cannot_be_written_is_one_line_after_its_checkpoint(tmp_path, launcher, how):
     """Epoch 2's row fails after its checkpoint was saved (injected, tests/hooks.py TEST_FAIL_METRICS): over the
     quota (EDQUOT), or the disk full mid-row (half of it written). One line saying so, every rank exits 2, and no
     half row: metrics.jsonl reads as epoch 1's row alone."""
-    out, nproc = tmp_path / "out", 2 if launcher == "torchrun" else None
+    out, nproc = tmp_path / "out", 2 if launcher == "ranks" else None
     hooks = Hooks(tmp_path, fail_metrics="2" if how == "quota" else "2:short")
     p = run("ddp_launch_train.py", *TINY, *batch(nproc), "--out-dir", out, launcher=launcher, nproc=nproc,
             env=hooks.env, check=False)
     cause = "Disk quota exceeded" if how == "quota" else "No space left on device"
-    assert one_error_line(p, 2, nproc) == f"error: could not write {out / 'metrics.jsonl'}: {cause}; step 16 was saved"
+    assert one_error_line(p, 2) == f"error: could not write {out / 'metrics.jsonl'}: {cause}; step 16 was saved"
     assert checkpoint(str(out))["epoch"] == 2 and [r["epoch"] for r in metrics(str(out))] == [1]
 
 
@@ -121,9 +117,9 @@ def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_partial_folder(
     the only folder, no ckpt-16.tmp, epoch 1's row only."""
     out = tmp_path / "disk"
     mount(out, "-t", "tmpfs", "-o", "size=16m")
-    p = run("fsdp_train.py", *TINY, *batch(2), "--ckpt-format", "dcp", *extra, "--out-dir", out, launcher="torchrun",
+    p = run("fsdp_train.py", *TINY, *batch(2), "--ckpt-format", "dcp", *extra, "--out-dir", out, launcher="ranks",
             nproc=2, check=False)
-    line = one_error_line(p, 2, 2)
+    line = one_error_line(p, 2)
     assert line == f"error: could not save {out / 'ckpt-16'}: No space left on device. The previous checkpoint is " \
         "whole", line
     assert sorted(os.listdir(out)) == ["ckpt-8", "metrics.jsonl"] and [r["epoch"] for r in metrics(str(out))] == [1]

@@ -19,7 +19,7 @@ import tokenize
 
 import pytest
 
-from conftest import ROOT, clean_env
+from processes import ROOT, command
 
 REFERENCE = "ddp_launch_train.py"
 TAGS = {"ddp_amp_train.py": "[amp]", "ddp_spawn_train.py": "[spawn]", "fsdp_train.py": "[fsdp]", "dp_train.py": "[dp]"}
@@ -214,12 +214,10 @@ def test_launcher_scripts_take_the_old_launchers_local_rank_without_listing_it()
     """torch.distributed.launch (without --use-env) puts --local-rank=N before the script's arguments; older
     versions wrote --local_rank=N. Both are accepted, and neither is shown among the script's own flags."""
     import json
-    import subprocess
     import sys
     scripts = launcher_scripts()
     assert {"ddp_launch_train.py", "ddp_amp_train.py", "fsdp_train.py"} <= set(scripts)
-    p = subprocess.run([sys.executable, "-c", PARSE_ONLY, *scripts], cwd=ROOT, env=clean_env(), capture_output=True,
-                       text=True)
+    p = command([sys.executable, "-c", PARSE_ONLY, *scripts])
     assert p.returncode == 0, p.stderr[-3000:]
     parsed = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(parsed) == 2 * len(scripts)

@@ -12,7 +12,6 @@ arrived", common.hangs_named), rank 0 stuck as well as another: the store they m
 (torchrun's agent holds it, or a thread of rank 0's process). Only a launcher ends the stuck rank: it takes a
 SIGTERM only as a note to stop at its next check, which it never reaches, so the launcher's SIGKILL ends it at the
 end of its grace period (torchrun's 30 s, SLURM's KillWait)."""
-import contextlib
 import os
 import re
 import shutil
@@ -23,12 +22,12 @@ import time
 
 import pytest
 
-from conftest import (ROOT, TIMEOUT, LAUNCHER_PICKS_PORT, address_in_use, alive, assert_exit, checkpoint, env_ranks,
-                      free_port, max_diff, metrics, run, worker_exit_codes)
-from hooks import Hooks, Proc, clean_env, torchrun
+from conftest import assert_exit, worker_exit_codes
+from hooks import Hooks
+from processes import LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, Proc, alive, command, run, start_ranks, torchrun
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
-TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]  # 2 processes: 4 steps
+TINY = ["--model", "smooth", "--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]  # 4 steps
 NAN = [*TINY, "--lr", 1e6]  # the loss is NaN/inf within the first epoch
 HANG = [*TINY, "--step-timeout", 3]  # the stuck rank stops answering after step 2 (after the first check)
 
@@ -48,120 +47,53 @@ def errors(text):
     return [line for line in text.splitlines() if line.startswith("error:")]
 
 
-# ---- ranks started by hand: env://
-class Ranks:
-    """`nproc` processes of ddp_launch_train.py, each told its rank, the world size and where rank 0 serves the
-    rendezvous, as a hand-written launch script or another launcher would; each in a session of its own, its output
-    in files."""
-
-    def __init__(self, folder, args, env, nproc, root=ROOT):
-        folder.mkdir(parents=True)
-        self.folder, self.procs = folder, []
-        for rank, variables in enumerate(env_ranks(nproc, free_port())):
-            rank_env = clean_env(**env, **variables)
-            with open(folder / f"{rank}.out", "wb") as out, open(folder / f"{rank}.err", "wb") as err:
-                self.procs.append(subprocess.Popen([sys.executable, "ddp_launch_train.py", *map(str, args)], cwd=root,
-                                                   env=rank_env, stdout=out, stderr=err, start_new_session=True))
-
-    def stdout(self, rank):
-        return (self.folder / f"{rank}.out").read_text(errors="replace")
-
-    def stderr(self, rank):
-        return (self.folder / f"{rank}.err").read_text(errors="replace")
-
-    def output(self):
-        return "\n".join(f"--- rank {r}\n{self.stdout(r)[-2000:]}{self.stderr(r)[-4000:]}"
-                         for r in range(len(self.procs)))
-
-    def wait(self, rank, timeout=TIMEOUT):
-        """The rank's own exit status. Past `timeout` every rank prints its stacks (SIGABRT: PYTHONFAULTHANDLER), is
-        killed, and the test fails."""
-        try:
-            return self.procs[rank].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(signal.SIGABRT)
-            time.sleep(2)
-            self.kill()
-            pytest.fail(f"rank {rank} did not exit in {timeout} s\n{self.output()}")
-
-    def kill(self, sig=signal.SIGKILL):
-        """`sig` to every rank still running, and to what it started (its session): never to a pid already reaped."""
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, sig)
-        if sig == signal.SIGKILL:
-            for p in self.procs:
-                p.wait()
-
-
-@contextlib.contextmanager
-def hand_launched(tmp_path, *args, env=None, nproc=2, wait_for=0, root=ROOT):
-    """Start the ranks by hand (of the script in `root`) and wait for the exit of rank `wait_for`; started again on a
-    fresh port if rank 0 says another process took the one it was given. Yields the Ranks (the others may still run);
-    every rank still running at the end is killed."""
-    for attempt in range(5):
-        ranks = Ranks(tmp_path / f"ranks{attempt}", args, env or {}, nproc, root)
-        try:
-            taken = lambda: ranks.procs[0].poll() not in (None, 0) and address_in_use(ranks.stderr(0))  # noqa: E731
-            deadline = time.monotonic() + TIMEOUT
-            while ranks.procs[wait_for].poll() is None and not taken() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not taken() or attempt == 4:
-                ranks.wait(wait_for, timeout=max(1, deadline - time.monotonic()))
-                yield ranks
-                return
-        finally:
-            ranks.kill()
-
-
-@pytest.mark.floor
-@pytest.mark.slow
-def test_hand_launched_ranks_exit_0_with_torchruns_weights(tmp_path):
-    with hand_launched(tmp_path, *TINY, "--out-dir", tmp_path / "env") as ranks:
-        assert [ranks.wait(r) for r in (0, 1)] == [0, 0], ranks.output()
-    assert [(r["epoch"], r["world_size"]) for r in metrics(str(tmp_path / "env"))] == [(1, 2)]
-    run("ddp_launch_train.py", *TINY, "--out-dir", tmp_path / "torchrun", launcher="torchrun", nproc=2)
-    assert max_diff(checkpoint(str(tmp_path / "env"))["model"], checkpoint(str(tmp_path / "torchrun"))["model"]) == 0
+# ---- ranks started by hand: env:// (each forked from tests/forker.py: not a launcher, as no launcher is)
+def hand_launched(tmp_path, *args, env=None, wait_for=(0, 1), root=ROOT):
+    """Two ranks of ddp_launch_train.py (of `root`) started by hand, once the ranks `wait_for` have ended (every
+    rank still running is killed at the test's end: the caller's `finally`)."""
+    ranks = start_ranks("ddp_launch_train.py", args, 2, env=env, cwd=root, folder=tmp_path / "ranks")
+    for rank in wait_for:
+        ranks.wait(rank)
+    return ranks
 
 
 @pytest.mark.floor
 def test_hand_launched_ranks_exit_2_on_bad_input(tmp_path):
     (tmp_path / "out").mkdir()
-    with hand_launched(tmp_path, *TINY, "--resume", tmp_path / "nope.pt", "--out-dir", tmp_path / "out") as ranks:
-        assert [ranks.wait(r) for r in (0, 1)] == [2, 2], ranks.output()  # each process's own status
-        said = errors(ranks.stderr(0) + ranks.stderr(1))
+    ranks = hand_launched(tmp_path, *TINY, "--resume", tmp_path / "nope.pt", "--out-dir", tmp_path / "out")
+    assert [ranks.wait(r) for r in (0, 1)] == [2, 2], ranks.output()  # each process's own status
+    said = errors(ranks.stderr(0) + ranks.stderr(1))
     assert len(said) == 1 and "nope.pt is not a readable checkpoint" in said[0], ranks.output()  # once over both
     assert not os.listdir(tmp_path / "out")
 
 
 @pytest.mark.floor
 def test_hand_launched_ranks_exit_1_on_a_nan_loss(tmp_path):
-    with hand_launched(tmp_path, *NAN, "--out-dir", tmp_path / "out") as ranks:
-        assert [ranks.wait(r) for r in (0, 1)] == [1, 1], ranks.output()
-        said = errors(ranks.stderr(0) + ranks.stderr(1))
+    ranks = hand_launched(tmp_path, *NAN, "--out-dir", tmp_path / "out")
+    assert [ranks.wait(r) for r in (0, 1)] == [1, 1], ranks.output()
+    said = errors(ranks.stderr(0) + ranks.stderr(1))
     assert len(said) == 1 and "NaN/inf at step" in said[0], ranks.output()
 
 
-@pytest.mark.floor
-@pytest.mark.slow
-@pytest.mark.parametrize("stuck", [0, 1], ids=["rank-0-stuck", "rank-1-stuck"])
+@pytest.mark.full
+@pytest.mark.parametrize("stuck", [pytest.param(0, marks=pytest.mark.floor), 1], ids=["rank-0-stuck", "rank-1-stuck"])
 def test_hand_launched_rank_that_waited_for_a_stuck_one_exits_3_naming_it(tmp_path, stuck):
     env, hooks = hang_env(tmp_path, stuck)
     waited = 1 - stuck
-    with hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=waited) as ranks:
+    ranks = hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=[waited])
+    try:
         assert ranks.wait(waited) == 3, ranks.output()
         assert len(named(stuck).findall(ranks.stderr(waited))) == 1, ranks.output()
         assert errors(ranks.stderr(stuck)) == [] and list(hooks.ranks("hung")) == [stuck], ranks.output()
         # no launcher here, and nothing else ends the stuck rank: it sleeps on
-        try:
-            pytest.fail(f"the stuck rank exited {ranks.procs[stuck].wait(timeout=5)} by itself\n{ranks.output()}")
-        except subprocess.TimeoutExpired:
-            pass
-    assert ranks.procs[stuck].returncode == -signal.SIGKILL  # killed at the end of hand_launched
+        time.sleep(5)
+        assert ranks.procs[stuck].poll() is None, f"the stuck rank exited by itself\n{ranks.output()}"
+    finally:
+        ranks.kill()
+    assert ranks.procs[stuck].returncode == -signal.SIGKILL  # killed by the test
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_without_train_extras_hangs_the_rank_that_waited_exits_3_with_torchs_timeout_in_one_line(tmp_path):
     """The script and common.py copied without train_extras/hangs.py: the waiting rank does not name the stuck one,
     but ends all the same, with torch's own timeout error as its one line, and exit 3."""
@@ -170,25 +102,30 @@ def test_without_train_extras_hangs_the_rank_that_waited_exits_3_with_torchs_tim
         "hangs.py", "tests", "docs", "benchmarks", ".git", ".venv", ".venv-floor", "runs", "data")])
     assert not (root / "train_extras" / "hangs.py").exists() and (root / "train_extras" / "datasets.py").exists()
     env, hooks = hang_env(tmp_path, 1)
-    with hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=0, root=root) as ranks:
+    ranks = hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=[0], root=root)
+    try:
         assert ranks.wait(0) == 3, ranks.output()
         said = errors(ranks.stderr(0))
         assert len(said) == 1 and "(--step-timeout): a rank or a worker stopped answering" in said[0], ranks.output()
         assert "never arrived" not in said[0] and "Traceback" not in ranks.stderr(0), ranks.output()
+    finally:
+        ranks.kill()
 
 
 # ---- torchrun: the waiting rank exits 3; torchrun ends the stuck one, by SIGKILL at the end of its grace period
-@pytest.mark.slow
+@pytest.mark.full
 def test_torchrun_names_a_stuck_rank_0_and_every_process_ends(tmp_path):
     """Rank 0 stuck: rank 1 names it through torchrun's store (its agent's), and exits 3; torchrun then sends the
-    stuck rank SIGTERM, which it only notes, and SIGKILL 30 s later. No process is left."""
+    stuck rank SIGTERM, which it only notes, and SIGKILL 30 s later (its grace period after a failed worker, which
+    no setting of torch's shortens). No process is left."""
     env, hooks = hang_env(tmp_path, 0)
     proc = Proc(torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
-                [*HANG, "--out-dir", tmp_path / "out"], tmp_path / "log", env=clean_env(**env))
+                [*HANG, "--out-dir", tmp_path / "out"], tmp_path / "log", env=env, merge=True)
     try:
         proc.until(lambda: hooks.ranks("hung"), "rank 0 stuck")
         stuck = int(hooks.ranks("hung")[0])
-        log = proc.wait(expect=1)
+        proc.wait(expect=1)
+        log = proc.output()
     finally:
         proc.kill()
     assert len(named(0).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
@@ -197,7 +134,7 @@ def test_torchrun_names_a_stuck_rank_0_and_every_process_ends(tmp_path):
 
 
 # ---- mp.spawn: the parent passes on the status of the first child that failed
-@pytest.mark.slow
+@pytest.mark.full
 def test_spawn_exits_3_when_a_child_stops_answering(tmp_path):
     env, hooks = hang_env(tmp_path, 1)
     t = time.monotonic()
@@ -231,12 +168,13 @@ def srun(cluster, tmp_path, *args, env=None):
     cmd = ["srun", "--ntasks=2", "--kill-on-bad-exit=1", sys.executable, "ddp_launch_train.py", *map(str, args)]
     env = cluster.env(**(env or {}))
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        return command(cmd, env=env, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
-        subprocess.run(["scancel", "--user", str(os.getuid())], env=env, timeout=30)  # this module's cluster only
+        command(["scancel", "--user", str(os.getuid())], env=env, timeout=30)  # this module's cluster only
         pytest.fail(f"srun did not end in {TIMEOUT} s\n{e.stdout}\n{e.stderr}")
 
 
+@pytest.mark.full
 def test_srun_exits_2_on_bad_input(slurm, tmp_path):
     p = srun(slurm, tmp_path, *TINY, "--resume", tmp_path / "nope.pt", "--out-dir", tmp_path / "out")
     assert (p.returncode, srun_task_statuses(p.stderr)) == (2, {0: 2, 1: 2}), p.stderr
@@ -244,6 +182,7 @@ def test_srun_exits_2_on_bad_input(slurm, tmp_path):
     assert len(said) == 1 and "nope.pt is not a readable checkpoint" in said[0], p.stderr
 
 
+@pytest.mark.full
 def test_srun_exits_1_on_a_nan_loss(slurm, tmp_path):
     p = srun(slurm, tmp_path, *NAN, "--out-dir", tmp_path / "out")
     assert (p.returncode, srun_task_statuses(p.stderr)) == (1, {0: 1, 1: 1}), p.stderr
@@ -251,7 +190,7 @@ def test_srun_exits_1_on_a_nan_loss(slurm, tmp_path):
     assert len(said) == 1 and "NaN/inf at step" in said[0], p.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_srun_reports_3_for_the_rank_that_waited_for_a_stuck_one(slurm, tmp_path):
     """Task 0 exits 3. --kill-on-bad-exit then ends the step: SIGTERM to the stuck task, which it only notes, then
     SIGKILL at the end of KillWait (30 s). srun's own status is the highest of the two, 137 (128 + SIGKILL); its
@@ -263,15 +202,17 @@ def test_srun_reports_3_for_the_rank_that_waited_for_a_stuck_one(slurm, tmp_path
 
 
 # ---- a finished run: status 0, reached without the interpreter's teardown
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("script, launcher, nproc", [("ddp_spawn_train.py", "python", 2),
                                                      ("fsdp_train.py", "torchrun", 2), ("dp_train.py", "python", None)])
 def test_a_finished_rank_leaves_without_the_interpreters_teardown(script, launcher, nproc, tmp_path):
     """Every rank that finished ends by os._exit(0) (common.run), as every failing one does: the interpreter's
     teardown, where gloo's threads now and then abort a process that has finished (SIGABRT, 'terminate called
-    without an active exception', exit 1), never runs."""
+    without an active exception', exit 1), never runs. Real interpreters (a forked run would end as its fork server
+    makes it)."""
     hooks = Hooks(tmp_path)
-    p = run(script, *TINY, "--out-dir", tmp_path / "out", launcher=launcher, nproc=nproc, env=hooks.env, check=False)
+    p = run(script, *TINY, "--out-dir", tmp_path / "out", launcher=launcher, nproc=nproc, env=hooks.env, check=False,
+            fork=False)
     assert_exit(p, 0)
     assert hooks.exits() == {rank: 0 for rank in range(nproc or 1)}, p.stdout[-3000:]
     assert not hooks.ranks("teardown"), p.stdout[-3000:]  # (mp.spawn's children end by sys.exit: a status 0 alone

@@ -6,7 +6,6 @@ torchrun's report under torchrun (docs/failures.md, "Exit codes")."""
 import importlib.util
 import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -15,8 +14,10 @@ import pytest
 import torch
 
 import common
+from conftest import assert_exit, checkpoint, max_diff, metrics
+from hooks import Hooks
+from processes import Proc, alive, descendants, run
 from train_extras import models
-from conftest import ROOT, alive, assert_exit, checkpoint, clean_env, descendants, kill_tree, max_diff, metrics, run
 from train_extras.sharded import to_file, to_folder
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
@@ -69,7 +70,7 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "sync_bn_cpu": (["--sync-bn"], "--sync-bn"),
     "tensorboard_missing": (["--tensorboard"], "pip install tensorboard"),
 }
-# also checked under torchrun -n 2
+# also checked with 2 ranks (started by hand: each one's status is its own)
 TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline", "batch_size_0",
                  "sharded_resume"}
 
@@ -95,10 +96,10 @@ def test_bad_input(previous_run, name):
     args = [str(a).format(d=previous_run) for a in args]
     out = previous_run / "out"
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
-    launch = dict(launcher="torchrun", nproc=2) if name in TWO_PROCESSES else {}
+    launch = dict(launcher="ranks", nproc=2) if name in TWO_PROCESSES else {}
     offline = {"TORCH_HOME": str(previous_run / "torch_home"), "https_proxy": "http://127.0.0.1:9"}
     p = run("ddp_launch_train.py", *TINY, "--out-dir", out, *args, check=False, env=offline, **launch)
-    assert words.format(d=previous_run) in one_error_line(p, 2, launch.get("nproc"))  # both ranks under torchrun
+    assert words.format(d=previous_run) in one_error_line(p, 2)  # from both ranks
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing overwritten, nothing added
 
 
@@ -109,7 +110,6 @@ def test_bad_input_other_scripts(tmp_path, script):
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("script", ["dp_train.py"])  # the DDP scripts share ddp_launch_train.py's (test_bad_input)
 def test_the_other_scripts_refuse_sharded_checkpoints_in_one_line_naming_the_conversion(previous_run, script,
                                                                                         tmp_path):
@@ -126,9 +126,7 @@ def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path
     tensors, and the file loads with weights_only=True into a plain model."""
     original = checkpoint(str(previous_run / "out"))
     assert sorted(os.listdir(previous_run / "ckpt-8")) == [".metadata", "__0_0.distcp"]
-    cmd = [sys.executable, "-m", "train_extras.sharded", str(previous_run / "ckpt-8"), str(tmp_path / "back.pt")]
-    p = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    run("-m", "train_extras.sharded", previous_run / "ckpt-8", tmp_path / "back.pt")
     back = checkpoint(str(tmp_path / "back.pt"))
     assert back.keys() == original.keys()
     assert max_diff(back["model"], original["model"]) == 0
@@ -150,7 +148,7 @@ def test_dp_gpus_naming_a_gpu_that_is_not_visible_is_one_line(tmp_path):
 NAN = ["--train-size", 384, "--val-size", 50, "--batch-size", 12, "--lr", 1e6, "--log-every", 5, "--save-every", 2]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.floor), "spawn"])
 def test_nan_stops_every_rank(tmp_path, launcher):
     t = time.time()
@@ -168,16 +166,15 @@ def test_nan_stops_every_rank(tmp_path, launcher):
     assert not os.path.exists(tmp_path / "metrics.jsonl") or metrics(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+@pytest.mark.parametrize("launcher", ["python", "ranks"])
 def test_a_save_that_fails_is_one_line_and_leaves_the_previous_checkpoint(tmp_path, launcher):
     """The second checkpoint's write fails as on a full disk (tests/hooks.py: TEST_FAIL_SAVE): one line naming the
     file and the cause, every rank exits 2 (none waits for rank 0), last.pt and metrics.jsonl are the first epoch's
     (no row for the epoch whose save failed), no temporary file."""
-    from hooks import Hooks
-    hooks, nproc = Hooks(tmp_path, fail_save=2), 2 if launcher == "torchrun" else None
+    hooks, nproc = Hooks(tmp_path, fail_save=2), 2 if launcher == "ranks" else None
     p = run("ddp_launch_train.py", *TINY[:-1], 2, "--batch-size", 6 if nproc else 12, "--out-dir", tmp_path / "out",
             launcher=launcher, nproc=nproc, env=hooks.env, check=False)
-    line = one_error_line(p, 2, nproc)
+    line = one_error_line(p, 2)
     assert line.startswith(f"error: could not save {tmp_path / 'out' / 'last.pt'}: ") and \
         line.endswith(". The previous checkpoint is whole"), line
     assert checkpoint(str(tmp_path / "out"))["epoch"] == 1 and [r["epoch"] for r in metrics(str(tmp_path / "out"))] \
@@ -185,32 +182,19 @@ def test_a_save_that_fails_is_one_line_and_leaves_the_previous_checkpoint(tmp_pa
     assert sorted(os.listdir(tmp_path / "out")) == ["last.pt", "metrics.jsonl"]
 
 
-def launch_long(script_cmd, out):
-    args = ["--train-size", 20000, "--val-size", 20, "--batch-size", 8, "--save-every", 5, "--out-dir", out]
-    return subprocess.Popen([sys.executable, *script_cmd, *map(str, args)], cwd=ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def wait_for(path, p, seconds=120):
-    t = time.time()
-    while not os.path.exists(path):
-        assert p.poll() is None, p.communicate()
-        assert time.time() - t < seconds, "timed out"
-        time.sleep(0.2)
-
-
-@pytest.mark.slow
+@pytest.mark.full
 def test_spawn_child_crash_ends_the_others(tmp_path):
-    p = launch_long(["ddp_spawn_train.py", "--nprocs", "2"], tmp_path)
+    args = ["--train-size", 20000, "--val-size", 20, "--batch-size", 8, "--save-every", 5, "--out-dir", tmp_path]
+    p = Proc([sys.executable, "ddp_spawn_train.py", "--nprocs", 2, *args], tmp_path / "log")
     try:
-        wait_for(tmp_path / "last.pt", p)
+        p.until(lambda: (tmp_path / "last.pt").exists(), "the first checkpoint")
         workers = [w for w in descendants(p.pid) if "spawn_main" in open(f"/proc/{w}/cmdline").read()]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)  # e.g. the OOM killer
-        _, err = p.communicate(timeout=60)
+        p.wait(expect=None, timeout=60)
+        err = p.stderr
     finally:
-        if p.poll() is None:
-            kill_tree(p.pid)
+        p.kill()
     # no documented status for a killed child: the parent exits 1 (ddp_spawn_train.py: a child's positive status is
     # passed on, a signal's negative one becomes 1)
     assert p.returncode == 1, (p.returncode, err)

@@ -1,20 +1,18 @@
 """benchmarks/files.py, the file path end to end: a smoke run (a few images, one repeat) that checks it runs and
 writes its rows; it times nothing worth reading."""
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TIMEOUT, clean_env
+from processes import TIMEOUT, command
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_files_benchmark_smoke_run(tmp_path):
     out = tmp_path / "files.json"
-    p = subprocess.run([sys.executable, "benchmarks/files.py", "--train", "8", "--val", "4", "--batch-size", "4",
-                        "--repeats", "1", "--json", str(out)],
-                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    p = command([sys.executable, "benchmarks/files.py", "--train", "8", "--val", "4", "--batch-size", "4",
+                 "--repeats", "1", "--json", out], timeout=TIMEOUT)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"plain", "script"}, rows

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import common
-from conftest import checkpoint, metrics, run
+from conftest import checkpoint, metrics
+from processes import run
 from train_extras import finetune
 from train_extras import models
 from train_extras.datasets import ImageFiles
@@ -72,13 +73,12 @@ FINETUNE = ["--model", "resnet18", "--pretrained", "--freeze-backbone", "--image
             "--epochs", 2, "--lr", 0.05, "--workers", 0]
 
 
-@pytest.mark.slow
 @pytest.mark.floor
 def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_processes(torch_home, images, tmp_path):
     env = {"TORCH_HOME": str(torch_home)}
     data = ["--dataset", "imagefolder", "--data-dir", images]
     full = tmp_path / "full"
-    p = run("ddp_launch_train.py", *data, *FINETUNE, "--out-dir", full, launcher="torchrun", nproc=2, env=env)
+    p = run("ddp_launch_train.py", *data, *FINETUNE, "--out-dir", full, launcher="ranks", nproc=2, env=env)
     one_line_with(p.stdout, "ResNet18_Weights.IMAGENET1K_V1: every tensor loaded but the new head for 3 classes "
                             "(fc.bias, fc.weight)")
 
@@ -98,9 +98,9 @@ def test_finetune_a_frozen_pretrained_resnet18_on_an_image_folder_in_two_process
     # the same run, bit for bit
     part = tmp_path / "part"
     more = ["--out-dir", part, "--workers", 2]
-    run("ddp_launch_train.py", *data, *FINETUNE, *more, "--max-steps", 4, launcher="torchrun", nproc=2, env=env)
+    run("ddp_launch_train.py", *data, *FINETUNE, *more, "--max-steps", 4, launcher="ranks", nproc=2, env=env)
     assert checkpoint(str(part))["step_in_epoch"] == 1
-    p = run("fsdp_train.py", *data, *FINETUNE, *more, "--resume", "auto", launcher="torchrun", nproc=2, env=env)
+    p = run("fsdp_train.py", *data, *FINETUNE, *more, "--resume", "auto", launcher="ranks", nproc=2, env=env)
     assert "resuming at step 4" in p.stdout
     resumed = checkpoint(str(part))
     assert [k for k in ckpt["model"] if not torch.equal(resumed["model"][k], ckpt["model"][k])] == []

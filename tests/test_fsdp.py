@@ -1,56 +1,43 @@
-"""fsdp_train.py end to end on CPU/gloo, under real torchrun (one process: plain python). It trains exactly like
-ddp_launch_train.py (same weights, same validation numbers) at 1, 2 and 3 processes, BatchNorm included; each rank
-holds 1/N of the parameters, gradients and optimizer state; last.pt moves between FSDP and DDP runs of other sizes;
-sharded checkpoints (ckpt-<step> folders) reshard between process counts and HSDP, and reach DDP through
-`python -m train_extras.sharded`; bf16 learns as well as fp32; bad input stops every rank with one line. Runs are
-made on first use and shared by the tests (module-scoped)."""
+"""fsdp_train.py end to end on CPU/gloo. It trains exactly like ddp_launch_train.py (same weights, same validation
+numbers) at 1, 2 and 3 processes, BatchNorm included; each rank holds 1/N of the parameters, gradients and optimizer
+state; last.pt moves between FSDP and DDP runs of other sizes; sharded checkpoints (ckpt-<step> folders) reshard
+between process counts and HSDP, and reach DDP through `python -m train_extras.sharded`; bf16 learns as well as fp32;
+bad input stops every rank with one line. The ranks are started by hand (env://): torchrun's part is
+tests/test_scripts.py's and tests/test_signals.py's. Runs are shared: the proof runs of conftest.SHARED, and this
+module's own (made once)."""
 import argparse
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import common
+from conftest import (PROOF, STEPS_PER_EPOCH, assert_exit, assert_same_training, checkpoint, max_diff, metrics,
+                      per_process)
+from processes import ROOT, run, start_ranks
 from train_extras import models
-from conftest import ROOT, assert_exit, checkpoint, clean_env, max_diff, metrics, run
-from test_proof import assert_same_training
 from train_extras.sharded import to_file
 
 FSDP, DDP = "fsdp_train.py", "ddp_launch_train.py"
-# 384 samples, global batch 24: 16 steps per epoch. 97 validation samples: with 2 and 3 processes one rank has a
-# batch fewer than rank 0, so FSDP's evaluation must pad its forwards (or hang)
-CNN = ["--train-size", 384, "--val-size", 97, "--epochs", 2, "--lr", 0.05, "--log-every", 16, "--device", "cpu"]
 # BatchNorm: resnet18 on the 28x28 synthetic data, 3 steps of global batch 16; 33 validation samples: padding again
-RESNET = ["--model", "resnet18", "--train-size", 48, "--val-size", 33, "--epochs", 1, "--device", "cpu"]
+RESNET = ["--model", "resnet18", "--train-size", 48, "--val-size", 33, "--epochs", 1]
 
 
-# The noise of these runs (--lr 0.05), measured at one thread per process (printed again in the "measured" section):
-# fsdp_train.py and ddp_launch_train.py agree bit for bit at 1 and 2 processes; at 3 processes (and between 3 and 2,
-# for both scripts alike: a max-pool that flips) within 3.6e-6 on the weights, 2.3e-4 on the momentum and 1.5e-7 on
-# the losses (relative). The tolerances are 20 times that; three optimizer steps lost at the end of the run are far
-# beyond them (test_the_tolerances_catch_three_lost_steps)
-FSDP_TOL = dict(tol=20 * 3.6e-6, momentum_tol=20 * 2.3e-4, loss_tol=20 * 1.5e-7)
-
-
-def launch(script, nproc, args, log_dir=None, check=True):
-    """One process: plain `python script` (the lone-process path); more: real torchrun, with each rank's output in
-    `log_dir` if given."""
-    if nproc == 1 or script == "ddp_spawn_train.py":  # (which starts its --nprocs processes itself)
+def launch(script, nproc, args, check=True):
+    """One process: plain `python script`; more: ranks started by hand (ddp_spawn_train.py: its own --nprocs)."""
+    if nproc == 1 or script == "ddp_spawn_train.py":
         return run(script, *args, check=check, nproc=nproc if script == "ddp_spawn_train.py" else None)
-    return run(script, *args, launcher="torchrun", nproc=nproc, check=check,
-               launcher_args=["--log-dir", log_dir, "--redirects", "2"] if log_dir else [])
+    return run(script, *args, launcher="ranks", nproc=nproc, check=check)
 
 
 class Run:
-    def __init__(self, out_dir, proc):
-        self.dir, self.proc, self.last_pt = out_dir, proc, os.path.join(out_dir, "last.pt")
+    def __init__(self, out_dir, proc=None):
+        self.dir, self.proc, self.last_pt = str(out_dir), proc, os.path.join(out_dir, "last.pt")
         self.rows, self.ckpt = metrics(out_dir), checkpoint(self.last_pt)
 
 
@@ -67,65 +54,47 @@ def runs(tmp_path_factory):
     return get
 
 
-def cnn(runs, script, nproc):
-    return runs(f"{script[:4]}{nproc}", script, nproc, *CNN, "--batch-size", 24 // nproc)
+def proof(shared, script, nproc):
+    """The shared proof run of `script` (fsdp_train.py, or ddp_launch_train.py) at `nproc` processes."""
+    return Run(shared(f"{'fsdp' if script == FSDP else 'launch'}{nproc}"))
 
 
 def resnet(runs, script, nproc):
     return runs(f"resnet_{script[:4]}{nproc}", script, nproc, *RESNET, "--batch-size", 16 // nproc)
 
 
-# ---- 1. FSDP trains exactly like DDP: within the noise of another order of summation (tests/test_proof.py FSDP)
-@pytest.mark.slow
+# ---- 1. FSDP trains exactly like DDP: within rounding (conftest.TOL), another order of summation
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.floor), 3])
-def test_cnn_matches_ddp(runs, nproc, measured):
-    assert_trains_like_ddp(cnn(runs, FSDP, nproc), cnn(runs, DDP, nproc), nproc, measured)
+def test_matches_ddp(shared, nproc, measured):
+    assert_trains_like_ddp(proof(shared, FSDP, nproc), proof(shared, DDP, nproc), nproc, measured)
 
 
-@pytest.mark.slow
-def test_the_tolerances_catch_three_lost_steps(runs, measured):
-    """The smallest defect the comparisons here are for: three optimizer steps lost at the end of the run (where the
-    LR is almost 0). It moves the weights and the momentum far beyond FSDP_TOL, and its steps and LR differ."""
-    lost = runs("lost3", DDP, 2, *CNN, "--batch-size", 12, "--max-steps", 29)
-    whole = cnn(runs, DDP, 2)
-    weights = measured("3 steps lost at the end (--lr 0.05): weights",
-                       max_diff(lost.ckpt["model"], whole.ckpt["model"]),
-                       FSDP_TOL["tol"])
-    momentum = measured("3 steps lost at the end (--lr 0.05): momentum", max_diff(
-        lost.ckpt["optimizer"]["state"], whole.ckpt["optimizer"]["state"]), FSDP_TOL["momentum_tol"])
-    assert weights > 5 * FSDP_TOL["tol"] and momentum > 5 * FSDP_TOL["momentum_tol"], (weights, momentum)
-    with pytest.raises(AssertionError):
-        assert_same_training(lost.dir, whole.dir, tol=math.inf, momentum_tol=math.inf, loss_tol=math.inf)
-
-
-@pytest.mark.slow
-def test_hsdp_matches_ddp_and_fsdp(runs, measured):
+@pytest.mark.full
+def test_hsdp_matches_ddp_and_fsdp(runs, shared, measured):
     """--replicate 2 on 4 processes: 2 copies, each sharded over 2 ranks. The same training as DDP on 4 and FSDP on
     2 processes (global batch 24 in all three); each rank holds half the parameters, as under FSDP on 2."""
-    hsdp = runs("hsdp4", FSDP, 4, *CNN, "--batch-size", 6, "--replicate", 2)
-    assert_trains_like_ddp(hsdp, cnn(runs, DDP, 4), 4, measured)
-    fsdp2 = cnn(runs, FSDP, 2)
-    assert_same_training(hsdp.dir, fsdp2.dir, measured, "HSDP 2x2 vs FSDP 2", **FSDP_TOL)
+    hsdp = runs("hsdp4", FSDP, 4, *PROOF, *per_process(4), "--replicate", 2)
+    assert_trains_like_ddp(hsdp, runs("ddp4", DDP, 4, *PROOF, *per_process(4)), 4, measured)
+    fsdp2 = proof(shared, FSDP, 2)
+    assert_same_training(hsdp.dir, fsdp2.dir, measured, "HSDP 2x2 vs FSDP 2")
     assert [r["param_bytes"] for r in hsdp.rows] == [r["param_bytes"] for r in fsdp2.rows]
     assert hsdp.rows[0]["replicate"] == 2 and "HSDP: 2 copies of 2 shards" in hsdp.proc.stdout
 
 
 def assert_trains_like_ddp(fsdp, ddp, nproc, measured):
     """Runs of fsdp_train.py and ddp_launch_train.py on the same flags: the same weights, optimizer state, schedule,
-    losses, accuracies and metrics rows (test_proof.assert_same_training) and checkpoint format."""
-    assert_same_training(fsdp.dir, ddp.dir, measured, f"fsdp_train.py vs ddp_launch_train.py, {nproc} processes",
-                         **FSDP_TOL)
+    losses, accuracies and metrics rows (conftest.assert_same_training) and checkpoint format."""
+    assert_same_training(fsdp.dir, ddp.dir, measured, f"fsdp_train.py vs ddp_launch_train.py, {nproc} processes")
     # a comparison that can fail: training moved the weights far from their initialization
     torch.manual_seed(0)
-    init = models.make("cnn", 1, 10).state_dict()
+    init = models.make("smooth", 1, 10).state_dict()
     assert max_diff(fsdp.ckpt["model"], init) >= 1e-2
-    assert [r["step"] for r in fsdp.rows] == [16, 32]
+    assert [r["step"] for r in fsdp.rows] == [16, 32, 48]
     for f in fsdp.rows:
         assert f["val_count"] == 97  # every validation sample once, with padded forwards
         assert f["world_size"] == nproc and f["precision"] == "fp32" and f["reshard_after_forward"] is True
     # the same checkpoint format: the same keys, the same optimizer state names
     assert fsdp.ckpt.keys() == ddp.ckpt.keys()
-    assert fsdp.proc.stdout.count("fsdp: ") == 1  # rank 0 alone prints
 
 
 def evaluate_alone(ckpt):
@@ -142,11 +111,12 @@ def evaluate_alone(ckpt):
         (out.argmax(1) == y).double().mean().item()
 
 
-@pytest.mark.slow
 def test_batchnorm_model_matches_ddp_and_its_checkpoint(runs, measured):
+    """resnet18 (ReLU, max-pool: not the smooth model) on 2 processes, FSDP and DDP: the same summation order, so the
+    same training (it compares within TOL); its BatchNorm statistics, evaluation and checkpoint."""
     fsdp, ddp = resnet(runs, FSDP, 2), resnet(runs, DDP, 2)
     state = fsdp.ckpt["model"]
-    assert_same_training(fsdp.dir, ddp.dir, measured, "resnet18 (BatchNorm): fsdp vs ddp, 2 processes", **FSDP_TOL)
+    assert_same_training(fsdp.dir, ddp.dir, measured, "resnet18 (BatchNorm): fsdp vs ddp, 2 processes")
     assert state["bn1.running_var"].sub(1).abs().max() > 1e-2  # the BatchNorm statistics did move
     # the reported numbers are those of the saved model: rank 0's BatchNorm statistics went to every rank
     loss, acc = evaluate_alone(fsdp.ckpt)
@@ -165,7 +135,7 @@ def memory_run(runs, nproc):
     return runs(f"memory{nproc}", FSDP, nproc, *RESNET, "--batch-size", 8, "--max-steps", 1, *extra)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_memory_per_rank_falls_as_one_over_world_size(runs):
     rows = {n: memory_run(runs, n).rows[-1] for n in (1, 2, 3)}
     torch.manual_seed(0)
@@ -178,7 +148,7 @@ def test_memory_per_rank_falls_as_one_over_world_size(runs):
         assert total == pytest.approx(3 * 4 * numel / n, rel=0.1)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_weights_reach_every_shard_and_a_rank_without_validation_samples_pads(runs):
     loaded, weights = memory_run(runs, 3), resnet(runs, FSDP, 2).ckpt["model"]
     torch.manual_seed(7)
@@ -188,18 +158,17 @@ def test_weights_reach_every_shard_and_a_rank_without_validation_samples_pads(ru
 
 
 # ---- 3. last.pt crosses between FSDP and DDP, and between process counts
-@pytest.mark.slow
-@pytest.mark.parametrize("first,second", [((FSDP, 2), (DDP, 3)), ((DDP, 3), (FSDP, 2))])
-def test_checkpoint_crosses_over(runs, first, second, measured):
+@pytest.mark.parametrize("first,second", [((FSDP, 2), (DDP, 3)),
+                                          pytest.param((DDP, 3), (FSDP, 2), marks=pytest.mark.full)])
+def test_checkpoint_crosses_over(runs, shared, first, second, measured):
     (s1, n1), (s2, n2) = first, second
-    half = runs(f"half_{s1[:4]}{n1}", s1, n1, *CNN, "--batch-size", 24 // n1, "--max-steps", 16)
+    half = runs(f"half_{s1[:4]}{n1}", s1, n1, *PROOF, *per_process(n1), "--max-steps", 16)
     assert (half.ckpt["epoch"], half.ckpt["step_in_epoch"], half.ckpt["world_size"]) == (1, 0, n1)
-    resumed = runs(f"resumed_{s2[:4]}{n2}_from_{s1[:4]}{n1}", s2, n2, *CNN, "--batch-size", 24 // n2,
+    resumed = runs(f"resumed_{s2[:4]}{n2}_from_{s1[:4]}{n1}", s2, n2, *PROOF, *per_process(n2),
                    "--resume", half.last_pt)
-    straight = cnn(runs, DDP, 2)
-    assert [r["epoch"] for r in resumed.rows] == [2]
-    assert_same_training(resumed.dir, straight.dir, measured, f"{s1} {n1} -> {s2} {n2} vs DDP 2", **FSDP_TOL,
-                         last_rows=1)
+    straight = proof(shared, DDP, 2)
+    assert [r["epoch"] for r in resumed.rows] == [2, 3]
+    assert_same_training(resumed.dir, straight.dir, measured, f"{s1} {n1} -> {s2} {n2} vs DDP 2", last_rows=2)
     assert max_diff(resumed.ckpt["model"], half.ckpt["model"]) >= 1e-2  # the second epoch did train
     assert resumed.ckpt["world_size"] == n2
 
@@ -221,45 +190,44 @@ def newest_sharded(out_dir, tmp_path):
 
 def convert(src, dst):
     """The documented conversion, as a user runs it: `python -m train_extras.sharded SRC DST`, one process."""
-    p = subprocess.run([sys.executable, "-m", "train_extras.sharded", str(src), str(dst)], cwd=ROOT, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+    p = run("-m", "train_extras.sharded", src, dst, check=False)
     assert p.returncode == 0 and os.path.isfile(dst), (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
 
 
 FILE = "last.pt"  # a leg that resumes the newest sharded folder after converting it to one file, as docs/usage.md says
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("legs", [
     # 2 -> 3 -> 1 processes, each resharding the previous leg's folder
     pytest.param([(FSDP, 2, []), (FSDP, 3, []), (FSDP, 1, [])], marks=pytest.mark.floor),
     # HSDP (2 copies of 2 shards, saving in the background) -> FSDP on 2 -> converted to one file -> DDP on 3
     # (mp.spawn's)
-    [(FSDP, 4, ["--replicate", 2, "--async-save", "--save-every", 4]), (FSDP, 2, []), ("ddp_spawn_train.py", 3, FILE)],
+    pytest.param([(FSDP, 4, ["--replicate", 2, "--async-save", "--save-every", 4]), (FSDP, 2, []),
+                  ("ddp_spawn_train.py", 3, FILE)], marks=pytest.mark.full),
     # the same script and process count throughout: bit for bit the straight run
-    [(FSDP, 2, []), (FSDP, 2, ["--async-save", "--save-every", 3]), (FSDP, 2, [])],
+    pytest.param([(FSDP, 2, []), (FSDP, 2, ["--async-save", "--save-every", 3]), (FSDP, 2, [])],
+                 marks=pytest.mark.full),
 ], ids=["fsdp2-fsdp3-fsdp1", "hsdp4-fsdp2-file-spawn3", "fsdp2-fsdp2-fsdp2"])
-def test_sharded_checkpoints_move_between_process_counts(runs, legs, tmp_path, measured):
-    """Two epochs in three legs (to steps 10, 21 and 32), each resuming the previous leg's newest ckpt-<step>
+def test_sharded_checkpoints_move_between_process_counts(shared, legs, tmp_path, measured):
+    """Three epochs in three legs (to steps 13, 30 and 48), each resuming the previous leg's newest ckpt-<step>
     folder (fsdp_train.py --ckpt-format dcp, which writes them), or one converted to a last.pt for a DDP script:
-    they end where two straight epochs of FSDP on 2 processes end (within FSDP's noise, every metrics row and the
+    they end where three straight epochs of FSDP on 2 processes end (within TOL, every metrics row and the
     optimizer state included), and exactly there when every leg is FSDP on 2."""
     out = tmp_path / "out"
-    for (script, nproc, extra), stop in zip(legs, [10, 21, None]):
+    for (script, nproc, extra), stop in zip(legs, [13, 30, None]):
         if extra == FILE:
             convert(newest_folder(out), out / "last.pt")
         dcp = [] if extra == FILE else ["--ckpt-format", "dcp", *extra]
-        launch(script, nproc, [*CNN, "--batch-size", 24 // nproc, *dcp, "--resume", "auto", "--out-dir", out,
+        launch(script, nproc, [*PROOF, *per_process(nproc), *dcp, "--resume", "auto", "--out-dir", out,
                                *(["--max-steps", stop] if stop else [])])
         ckpt = newest_sharded(out, tmp_path) if dcp else checkpoint(str(out))
-        assert (ckpt["epoch"] * 16 + ckpt["step_in_epoch"], ckpt["world_size"]) == (stop or 32, nproc)
+        assert (ckpt["epoch"] * STEPS_PER_EPOCH + ckpt["step_in_epoch"], ckpt["world_size"]) == (stop or 48, nproc)
     if dcp:
-        assert sorted(os.listdir(out)) == ["ckpt-21", "ckpt-32", "metrics.jsonl"]  # the newest 2 kept, nothing .tmp
+        assert sorted(os.listdir(out)) == ["ckpt-32", "ckpt-48", "metrics.jsonl"]  # the newest 2 kept, nothing .tmp
         torch.save(ckpt, out / "last.pt")  # (converted: to compare it as a last.pt)
-    same = cnn(runs, FSDP, 2)
+    same = proof(shared, FSDP, 2)
     name = f"sharded {'-'.join(f'{s[:4]}{n}' for s, n, _ in legs)} vs FSDP 2"
-    assert_same_training(str(out), same.dir, measured, name,
-                         **FSDP_TOL)
+    assert_same_training(str(out), same.dir, measured, name)
     if {(script, nproc) for script, nproc, _ in legs} == {(FSDP, 2)}:
         assert max_diff(ckpt["model"], same.ckpt["model"]) == 0
         assert max_diff(ckpt["optimizer"], same.ckpt["optimizer"]) == 0
@@ -267,7 +235,7 @@ def test_sharded_checkpoints_move_between_process_counts(runs, legs, tmp_path, m
             assert [r[k] for r in metrics(str(out))] == [r[k] for r in same.rows], k
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_sharded_resume_of_a_batchnorm_model_mid_epoch_is_bit_for_bit_the_straight_run(runs, tmp_path):
     """resnet18 on 2 processes, 2 epochs of 3 steps, a ckpt-<step> folder saved at step 4 (mid-epoch 2, when each
     rank's BatchNorm statistics are its own), the run's later folder removed, resumed from it to the end. Weights,
@@ -286,7 +254,7 @@ def test_a_sharded_resume_of_a_batchnorm_model_mid_epoch_is_bit_for_bit_the_stra
 
 
 # ---- 4. bf16 learns as well as fp32
-@pytest.mark.slow
+@pytest.mark.full
 def test_bf16_accuracy_close_to_fp32(runs):
     args = ["--train-size", 2000, "--val-size", 2000, "--epochs", 2, "--batch-size", 32, "--lr", 0.05,
             "--device", "cpu"]
@@ -301,7 +269,9 @@ def test_bf16_accuracy_close_to_fp32(runs):
 
 
 SEE_DTYPES = """
-import json, torch, torch.distributed as dist
+import json, sys
+sys.path.insert(0, sys.argv[1])  # the checkout
+import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 import common, fsdp_train
 from train_extras import models
@@ -323,18 +293,16 @@ print(json.dumps(sorted(seen)))
 
 
 @pytest.mark.floor
-def test_bf16_batchnorm_computes_in_fp32_and_convolutions_in_bf16():
+def test_bf16_batchnorm_computes_in_fp32_and_convolutions_in_bf16(tmp_path):
     """What runs, not what is saved (saved weights are fp32 either way): during the forward each BatchNorm sees fp32
     weights and input and hands bf16 on; every convolution and the linear head compute in bf16."""
-    p = subprocess.run([sys.executable, "-c", SEE_DTYPES], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+    (tmp_path / "see_dtypes.py").write_text(SEE_DTYPES)
+    p = run(tmp_path / "see_dtypes.py", ROOT)
     seen = {tuple(row) for row in json.loads(p.stdout)}
     bf16, fp32 = "torch.bfloat16", "torch.float32"
     assert seen == {("BatchNorm2d", fp32, fp32, bf16), ("Conv2d", bf16, bf16, bf16), ("Linear", bf16, bf16, bf16)}
 
 
-@pytest.mark.slow
 @pytest.mark.floor
 def test_bf16_trains_a_batchnorm_model(runs):
     bf16 = runs("resnet_bf16", FSDP, 2, *RESNET, "--batch-size", 8, "--precision", "bf16")
@@ -354,18 +322,15 @@ def test_bf16_trains_a_batchnorm_model(runs):
 ])
 @pytest.mark.floor
 def test_bad_input_one_line(tmp_path, nproc, args, words):
-    logs = tmp_path / "logs"
-    p = launch(FSDP, nproc, [*args, "--device", "cpu", "--out-dir", tmp_path / "out"], log_dir=logs, check=False)
-    assert_exit(p, 2, nproc)  # bad input: status 2; under torchrun, each worker's in its report
     if nproc == 1:
+        p = run(FSDP, *args, "--device", "cpu", "--out-dir", tmp_path / "out", check=False)
         stderr = {0: p.stderr}
-    else:  # torchrun --redirects: each rank's stderr in <log-dir>/<run>/attempt_0/<rank>/stderr.log
-        stderr = {}
-        for folder, _, files in os.walk(logs):
-            if "stderr.log" in files:
-                with open(os.path.join(folder, "stderr.log")) as f:
-                    stderr[int(os.path.basename(folder))] = f.read()
-    assert sorted(stderr) == list(range(nproc))
+    else:  # each rank's own stderr
+        ranks = start_ranks(FSDP, [*args, "--device", "cpu", "--out-dir", tmp_path / "out"], nproc)
+        for rank in range(nproc):
+            ranks.wait(rank)
+        p, stderr = ranks.result(), {rank: ranks.stderr(rank) for rank in range(nproc)}
+    assert_exit(p, 2)  # bad input: status 2, from every process
     lines = stderr[0].splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], stderr[0]
     assert all(stderr[rank] == "" for rank in range(1, nproc)), stderr
@@ -410,18 +375,18 @@ class Net(nn.Module):
 '''
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_sharded_resume_restores_each_ranks_own_buffers(tmp_path):
     """A copier's model that trains on a buffer of its own rank's batches, 16 steps on 2 processes with a ckpt-12
     folder, resumed from it: ends bit for bit where the run did. Given rank 0's buffer instead (what the model's
     state holds), rank 1 trains on another centring, and the weights differ."""
-    from test_core import copy_alone, launch
+    from test_core import copy_alone
     folder = copy_alone(tmp_path / "project", FSDP, RANK_BUFFER)
     shutil.copytree(os.path.join(ROOT, "train_extras"), folder / "train_extras")
     args = [FSDP, "--epochs", 1, "--batch-size", 16, "--ckpt-format", "dcp", "--save-every", 12, "--resume", "auto",
             "--out-dir", tmp_path / "out"]
     for leg in ("straight", "resumed"):
-        p = launch(folder, *args, how="torchrun")
+        p = run(*args, launcher="ranks", nproc=2, cwd=folder)
         assert p.returncode == 0, p.stderr[-3000:]
         assert leg == "straight" or "resuming at step 12" in p.stdout, p.stdout[-2000:]
         to_file(newest_folder(tmp_path / "out"), str(tmp_path / f"{leg}.pt"))

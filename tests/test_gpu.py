@@ -10,36 +10,39 @@ CUDA_VISIBLE_DEVICES and --gpus; no host sync in a training step (only at the ch
 
 Dry run: GPU_TESTS_DEVICE=cpu runs the same tests on the CPU (gloo, small data), so that a mistake in them shows up
 in CI and not in a GPU machine's scarce minutes; the tests that need a GPU's own features (SyncBatchNorm, DataParallel
-replicas, CUDA_VISIBLE_DEVICES) skip there, saying so. Tolerances are the CPU suite's: 1e-4 max-abs on the weights,
-1 point of accuracy. Runs shared by several tests are made once (the `runs` fixture)."""
+replicas, CUDA_VISIBLE_DEVICES) skip there, saying so. Tolerances: 1e-4 max-abs on the weights, 1 point of accuracy.
+Runs shared by several tests are made once (the `runs` fixture). On the GPU every run starts real interpreters (under
+torchrun for several processes); the dry run starts them as the CPU suite does (processes.run: forked, by hand)."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, max_diff, metrics, run
+from conftest import max_diff, metrics
+from processes import command, run
 from test_finetune import FINETUNE, cached_weights, fresh_model, images, torch_home  # noqa: F401 (fixtures)
 
 CUDA = os.environ.get("GPU_TESTS_DEVICE", "cuda") == "cuda"
 DEVICE, BACKEND = ("cuda", "nccl") if CUDA else ("cpu", "gloo")
 DRY = "dry run on the CPU (GPU_TESTS_DEVICE=cpu): "
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+pytestmark = [pytest.mark.gpu, pytest.mark.full,
               pytest.mark.skipif(CUDA and not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU; on a CPU GPU_TESTS_DEVICE=cpu (or benchmarks/gpu_report.py "
                                  "--dry-run) runs these tests on the CPU")]
 
-TOL = 1e-4  # the CPU suite's (tests/test_proof.py)
+TOL = 1e-4  # max-abs: a GPU's kernels are not the CPU's, whose rounding bound is the CPU suite's (conftest.TOL)
 LAUNCH, SPAWN, AMP, DP, FSDP = "ddp_launch_train.py", "ddp_spawn_train.py", "ddp_amp_train.py", "dp_train.py", \
     "fsdp_train.py"
 SCRIPTS = [DP, LAUNCH, SPAWN, AMP, FSDP]
 # the default run: 10,000 synthetic samples, 2 epochs at batch 64 (seconds on a GPU); the dry run makes it smaller
 DEFAULT = [] if CUDA else ["--train-size", 2048, "--val-size", 500, "--batch-size", 32]
-# the proof runs of tests/test_proof.py: 384 samples, global batch 24, 3 epochs (48 steps), 101 validation samples
-PROOF = ["--train-size", 384, "--val-size", 101, "--epochs", 3, "--log-every", 8, "--deterministic"]
+# the proof runs of tests/test_proof.py: the smooth model, 384 samples, global batch 24, 3 epochs (48 steps), 101
+# validation samples
+PROOF = ["--model", "smooth", "--train-size", 384, "--val-size", 101, "--epochs", 3, "--log-every", 8,
+         "--deterministic"]
 # resnet18 (BatchNorm) on the 28x28 synthetic data: 3 steps of global batch 16; 33 validation samples
 RESNET = ["--model", "resnet18", "--train-size", 48, "--val-size", 33, "--epochs", 1, "--deterministic"]
 # the CPU reference runs: on a GPU machine's cores; in the dry run, 1 (gpu_report.py runs 2 pytest processes)
@@ -114,12 +117,13 @@ def go(script, *args, out_dir, nproc=1, device=DEVICE, threads=1, env=None, see=
             f.write(SEE)
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [hook_dir, os.environ.get("PYTHONPATH")])), SEE_DIR=see_dir)
     flags = [*args] + (["--device", device] if device else []) + ["--out-dir", out_dir]
+    fork = None if not CUDA else False
     if script == SPAWN:
-        p = run(script, *flags, nproc=nproc, env=env, check=check)
+        p = run(script, *flags, nproc=nproc, env=env, check=check, fork=fork)
     elif nproc > 1:
-        p = run(script, *flags, launcher="torchrun", nproc=nproc, env=env, check=check)
+        p = run(script, *flags, launcher="torchrun" if CUDA else "ranks", nproc=nproc, env=env, check=check)
     else:
-        p = run(script, *flags, env=env, check=check)
+        p = run(script, *flags, env=env, check=check, fork=fork)
     return Run(out_dir, p, see_dir)
 
 
@@ -160,8 +164,7 @@ def assert_loads_without_a_gpu(path, model_name="cnn", channels=1, classes=10):
             "assert {t.device.type for t in walk(c)} == {'cpu'}, {t.device for t in walk(c)}\n"
             f"models.make({model_name!r}, {channels}, {classes}).load_state_dict(c['model'])\n"
             "print('loaded', len(c['model']))")
-    p = subprocess.run([sys.executable, "-c", code, path], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                       timeout=120)
+    p = command([sys.executable, "-c", code, path])
     assert p.returncode == 0 and p.stdout.startswith("loaded"), p.stderr[-3000:]
 
 
@@ -255,7 +258,7 @@ def test_fsdp_shards_on_the_gpu_and_trains_as_ddp(runs, tmp_path, record_propert
     assert max_diff(two.ckpt["model"], ddp2.ckpt["model"]) <= TOL
     assert [r["val_count"] for r in two.rows] == [101] * 3
     assert two.rows[-1]["val_loss"] == pytest.approx(ddp2.rows[-1]["val_loss"], rel=TOL)
-    for key in ("param_bytes", "optim_bytes"):  # half of world size 1's (fc1's 1.2M rows split in two)
+    for key in ("param_bytes", "optim_bytes"):  # half of world size 1's (every parameter split in two)
         assert two.rows[-1][key] <= 0.51 * fsdp1.rows[-1][key], (key, two.rows[-1], fsdp1.rows[-1])
     for key in ("param_bytes", "grad_bytes", "optim_bytes", "peak_mem_mb"):
         record_property(f"{key}_rank0_of_2", two.rows[-1][key])

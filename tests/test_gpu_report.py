@@ -5,13 +5,12 @@ import ast
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, clean_env
+from processes import ROOT, command
 
 REPORT = os.path.join(ROOT, "benchmarks", "gpu_report.py")
 FLOOR = "2.11."  # the oldest supported torch (CI's floor leg)
@@ -51,19 +50,16 @@ def test_targets_are_judged_from_the_rows():
 def test_without_a_gpu_it_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    p = subprocess.run([sys.executable, REPORT, "--part", "tests"], cwd=ROOT, env=clean_env(), capture_output=True,
-                       text=True, timeout=120)
+    p = command([sys.executable, REPORT, "--part", "tests"])
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [
         "error: no CUDA GPU here: run this on a GPU machine, or --dry-run to check it on the CPU"]
-    p = subprocess.run([sys.executable, REPORT], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                       timeout=120)
+    p = command([sys.executable, REPORT])
     assert p.returncode == 2 and "--part tests or --part bench" in p.stderr
-    p = subprocess.run([sys.executable, REPORT, "--dry-run", "--configs", "0,7"], cwd=ROOT, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+    p = command([sys.executable, REPORT, "--dry-run", "--configs", "0,7"])
     assert p.returncode == 2 and "--configs: numbers from 0 to 4" in p.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.floor
 @pytest.mark.skipif(not torch.__version__.startswith(FLOOR) and not os.environ.get("GPU_DRY_RUN"),
                     reason=f"the dry run proves the GPU tests and report on the oldest supported torch, {FLOOR}x "
@@ -72,8 +68,7 @@ def test_dry_run_runs_both_parts_on_the_cpu(tmp_path):
     """The report's two parts on the CPU, as they will run on a GPU (two pytest processes side by side, every bench
     configuration): every GPU test passes, or skips saying it needs a GPU; every configuration gives its rows and the
     three targets are judged (their values mean nothing here)."""
-    p = subprocess.run([sys.executable, REPORT, "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=clean_env(),
-                       capture_output=True, text=True, timeout=1200)
+    p = command([sys.executable, REPORT, "--dry-run", "--out", tmp_path], timeout=1200)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     tests = json.loads((tmp_path / "tests.json").read_text())
     assert tests["machine"]["dry_run"] and tests["exit_codes"] == [0, 0]

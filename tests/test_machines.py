@@ -4,7 +4,7 @@ each launcher's environment read (torchrun, a hand launch without LOCAL_RANK, Op
 one refused in one line, a lone process that ignores a MASTER_ADDR left in the shell, the one-process scripts under
 a launcher, flags that differ between ranks, and a SIGTERM before the first step. mpirun for real: test_cluster.py."""
 import os
-import subprocess
+import signal
 import sys
 import time
 from types import SimpleNamespace as ns
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import common
-from conftest import ROOT, clean_env, env_ranks, free_port, run
+from processes import Proc, command, env_ranks, free_port, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 
@@ -132,27 +132,27 @@ def test_a_lone_process_ignores_a_master_addr_left_in_the_shell(tmp_path):
     assert "1 process, backend gloo" in p.stdout and (tmp_path / "run" / "last.pt").exists(), p.stderr[-3000:]
 
 
-@pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py"])
+@pytest.mark.parametrize("script", ["dp_train.py", pytest.param("ddp_spawn_train.py", marks=pytest.mark.full)])
 def test_a_one_process_script_under_the_old_launcher_says_how_it_is_started(script, tmp_path):
     """`python -m torch.distributed.launch` adds --local-rank=0, which these scripts do not know: the line says how
     they are started instead, even with one process."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=1",
-                        f"--master_port={free_port()}", script, *map(str, TINY)], cwd=ROOT, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+    p = command([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=1",
+                 f"--master_port={free_port()}", script, *TINY])
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].endswith("start it with python, not python -m torch.distributed.launch"), \
         p.stderr[-3000:]
 
 
 # ---- one run, one set of flags
-def hand_launch(script, per_rank_args, tmp_path, extra_env=()):
+def hand_launch(script, per_rank_args, tmp_path):
     """`script` as ranks started by hand (env://), rank r with per_rank_args[r]; retried while the port was taken."""
     for attempt in range(5):
-        procs = [subprocess.Popen([sys.executable, script, *map(str, a)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, env=clean_env(**variables, **dict(extra_env)))
-                 for a, variables in zip(per_rank_args, env_ranks(len(per_rank_args), free_port()))]
-        results = [(*p.communicate(timeout=120), p.returncode) for p in procs]
-        results = [(code, out, err) for out, err, code in results]
+        procs = [Proc([sys.executable, script, *a], tmp_path / f"ranks{attempt}", env=variables, fork=True,
+                      name=f"rank{r}")
+                 for r, (a, variables) in enumerate(zip(per_rank_args, env_ranks(len(per_rank_args), free_port())))]
+        for p in procs:
+            p.wait(expect=None, timeout=120)
+        results = [(p.returncode, p.stdout, p.stderr) for p in procs]
         if not any("ddress already in use" in err for _, _, err in results) or attempt == 4:
             return results
 
@@ -181,17 +181,13 @@ def test_sigterm_while_rank_0_waits_for_its_peers_ends_it_at_once(tmp_path):
     """Rank 0 of 2, started alone, waits in the rendezvous for a rank that never comes: a SIGTERM ends it there, at
     once (nothing to save yet), not after the 10 minutes of the start-up timeout."""
     port = free_port()
-    env = clean_env(**env_ranks(2, port)[0])
-    p = subprocess.Popen([sys.executable, "ddp_launch_train.py", *map(str, TINY), "--out-dir", str(tmp_path / "r")],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = Proc([sys.executable, "ddp_launch_train.py", *TINY, "--out-dir", tmp_path / "r"], tmp_path / "log",
+             env=env_ranks(2, port)[0], fork=True)
     try:
-        deadline = time.monotonic() + 60
-        while not listening(port) and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert p.poll() is None and listening(port), "rank 0 never served the rendezvous"
+        p.until(lambda: listening(port), "rank 0 serving the rendezvous")
         time.sleep(0.5)
-        p.send_signal(15)
-        p.wait(timeout=10)
+        os.kill(p.pid, signal.SIGTERM)
+        p.wait(expect=None, timeout=10)
     finally:
         p.kill()
-    assert p.returncode == -15, p.returncode
+    assert p.returncode == -signal.SIGTERM, p.returncode

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from conftest import assert_exit, checkpoint, metrics, run
+from conftest import assert_exit, checkpoint, metrics
+from processes import run
 
 ARGS = ["--epochs", 2, "--train-size", 256, "--val-size", 50, "--batch-size", 32]  # 8 steps an epoch
 
@@ -16,8 +17,7 @@ def one_line(p):
     return lines[0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", ["ddp_launch_train.py", "dp_train.py"])
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", pytest.param("dp_train.py", marks=pytest.mark.full)])
 def test_a_resume_from_elsewhere_never_replaces_the_run_in_out_dir_and_overwrite_starts_its_metrics_afresh(
         script, tmp_path):
     y, x = tmp_path / "Y", tmp_path / "X"
@@ -40,7 +40,7 @@ def test_a_resume_from_elsewhere_never_replaces_the_run_in_out_dir_and_overwrite
     assert checkpoint(str(y))["args"]["lr"] == 0.01
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fsdp_overwrite_replaces_every_checkpoint_of_the_earlier_run(tmp_path):
     """Run A leaves ckpt-4, ckpt-8; run B (--overwrite, another seed) saves ckpt-4 only: no folder of A's stays, and
     --resume auto continues B. A last.pt of A beside B's folders goes likewise."""
@@ -56,7 +56,6 @@ def test_fsdp_overwrite_replaces_every_checkpoint_of_the_earlier_run(tmp_path):
     assert "resuming at step 4" in log and [r["step"] for r in metrics(z)] == [6]  # step 4's mid-epoch row goes
 
 
-@pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_even_with_the_same_steps_per_epoch(tmp_path):
     out = tmp_path / "run"
     run("ddp_launch_train.py", *ARGS, "--epochs", 1, "--out-dir", out)  # 256 and 280 samples: 8 steps of 32

@@ -1,6 +1,9 @@
-"""Each script end to end on CPU/gloo: it learns, prints from rank 0 only, and writes metrics.jsonl and last.pt
-in the collection's formats; the mnist and imagefolder loaders on tiny files written here."""
+"""Each script end to end on CPU/gloo, under its own launcher: it learns, prints from rank 0 only, writes
+metrics.jsonl and last.pt in the collection's formats, and stops on a signal with a save from which the resume ends
+bit for bit where the run does; the mnist and imagefolder loaders on tiny files written here."""
 import os
+import re
+import signal
 import struct
 import subprocess
 import sys
@@ -8,21 +11,24 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_exit, checkpoint, clean_env, max_diff, metrics, run, summary_lines
+from conftest import assert_exit, checkpoint, max_diff, metrics, summary_lines
+from hooks import Hooks
+from processes import ROOT, Proc, clean_env, run, script_cmd
 
 SMALL = ["--train-size", 3072, "--val-size", 500, "--epochs", 2, "--log-every", 10]
-SCRIPTS = {  # name: (script, launcher, processes, extra args); the global batch is 64 everywhere
+SCRIPTS = {  # name: (script, its own launcher, processes, extra args); the global batch is 64 everywhere
     "dp": ("dp_train.py", "python", None, ["--batch-size", 64]),
     "launch": ("ddp_launch_train.py", "torchrun", 2, ["--batch-size", 32]),
     "spawn": ("ddp_spawn_train.py", "python", None, ["--batch-size", 32]),  # its default: 2 CPU processes
     "amp": ("ddp_amp_train.py", "torchrun", 2, ["--batch-size", 32, "--precision", "bf16"]),
+    "fsdp": ("fsdp_train.py", "torchrun", 2, ["--batch-size", 32]),
 }
-HEADER = {"dp": "dp: ", "launch": "ddp: ", "spawn": "ddp: ", "amp": "ddp bf16: "}
+HEADER = {"dp": "dp: ", "launch": "ddp: ", "spawn": "ddp: ", "amp": "ddp bf16: ", "fsdp": "fsdp: "}
 
 
 @pytest.fixture(scope="session")
 def script_run(session_dir):
-    """One small run of each script, made on first use and shared by the tests below."""
+    """One small run of each script under its own launcher, made on first use and shared by the tests below."""
     done = {}
 
     def get(name):
@@ -34,7 +40,6 @@ def script_run(session_dir):
     return get
 
 
-@pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_learns_and_logs_once(script_run, name):
@@ -54,7 +59,6 @@ def test_learns_and_logs_once(script_run, name):
     assert all(line.startswith("epoch ") for line in proc.stdout.splitlines() if "train_loss" in line), proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_metrics_format(script_run, name):
@@ -70,7 +74,6 @@ def test_metrics_format(script_run, name):
     assert metrics(out)[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # cosine schedule ends at 0
 
 
-@pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_checkpoint_format(script_run, name):
@@ -90,7 +93,50 @@ def test_checkpoint_format(script_run, name):
     model.load_state_dict(ckpt["model"])  # loads into a plain model, strict
 
 
-@pytest.mark.slow
+# how each script's launcher is stopped: (signal, sent to, the status each rank exits with). torchrun passes SIGTERM on
+# to its workers, the spawn parent every stop signal to its children; SIGUSR1, which torchrun does not handle, goes to
+# its workers, as a scheduler signals every process
+STOP = {"dp": (signal.SIGTERM, "process", 143), "launch": (signal.SIGTERM, "launcher", 143),
+        "spawn": (signal.SIGUSR1, "launcher", 0), "amp": (signal.SIGUSR1, "ranks", 0),
+        "fsdp": (signal.SIGTERM, "launcher", 143)}
+PAUSE = 6  # every rank waits after this step until the signal is taken
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_signal_stops_it_with_a_save_and_the_resume_ends_bit_for_bit(script_run, name, tmp_path):
+    """The signal its launcher or a scheduler sends, while every rank waits at step 6 (tests/hooks.py): every rank
+    saves at the one step they agreed on (the next check, by step 10: --log-every) and exits with the signal's
+    status, rank 0 saying so once; `--resume auto` under the same launcher then ends with the weights and optimizer
+    state of the uninterrupted run, bit for bit."""
+    script, launcher, nproc, extra = SCRIPTS[name]
+    sig, to, code = STOP[name]
+    out, hooks = tmp_path / "out", Hooks(tmp_path, pause_at=PAUSE)
+    cmd = script_cmd(script, [*SMALL, *extra, "--out-dir", out], launcher, nproc)
+    proc = Proc(cmd, tmp_path / "log", env=hooks.env, merge=True)
+    ranks = [0] if name == "dp" else [0, 1]
+    try:
+        proc.until(lambda: sorted(hooks.paused()) == ranks, f"every rank at step {PAUSE}")
+        for pid in (hooks.paused().values() if to == "ranks" else [proc.pid]):
+            os.kill(pid, sig)
+        proc.until(lambda: all(hooks.handled(pid, sig) for pid in hooks.paused().values()), f"{sig.name} taken")
+        hooks.go()
+        proc.wait(expect=None)
+    finally:
+        proc.kill()
+    log = proc.output()
+    stops = [int(s) for s in re.findall(rf"stopped by {sig.name} at step (\d+), where last.pt was saved", log)]
+    assert len(stops) == 1 and PAUSE <= stops[0] <= 10, log[-3000:]
+    assert hooks.exits() == {r: code for r in ranks} and hooks.steps() == {r: stops[0] for r in ranks}, log[-3000:]
+    saved = checkpoint(out)
+    assert saved["epoch"] * 48 + saved["step_in_epoch"] == stops[0]  # 48 steps an epoch
+    p = run(script, *SMALL, *extra, "--resume", "auto", "--out-dir", out, launcher=launcher, nproc=nproc)
+    assert f"resuming at step {stops[0]}" in p.stdout
+    resumed, straight = checkpoint(out), checkpoint(script_run(name)[1])
+    assert max_diff(resumed["model"], straight["model"]) == 0
+    assert max_diff(resumed["optimizer"], straight["optimizer"]) == 0
+
+
+@pytest.mark.full
 def test_default_run_reaches_95_percent(tmp_path):
     """The README's first command, as is: 2 CPU processes, synthetic data, 2 epochs."""
     proc = run("ddp_spawn_train.py", "--out-dir", tmp_path, env={"OMP_NUM_THREADS": "1"})
@@ -131,8 +177,8 @@ def test_mnist_files(tmp_path):
 
 def test_mnist_missing_says_how_to_fix(tmp_path):
     p = run("ddp_launch_train.py", "--dataset", "mnist", "--data-dir", tmp_path, "--out-dir", tmp_path / "out",
-            launcher="torchrun", nproc=2, check=False)
-    assert_exit(p, 2, nproc=2)  # bad input (no data): torchrun exits 1, both of its workers 2
+            launcher="ranks", nproc=2, check=False)
+    assert_exit(p, 2)  # bad input (no data): each rank's own status
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--dataset synthetic" in errors[0] and "MNIST" in errors[0], p.stderr
     assert not (tmp_path / "out").exists()
@@ -184,7 +230,7 @@ def test_imagefolder_workers_start_from_a_fork_of_the_trainer(tmp_path):
     for n in (2, 0):
         run("ddp_launch_train.py", "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--image-size", 12,
             "--batch-size", 8, "--epochs", 2, "--workers", n, "--out-dir", tmp_path / f"out{n}",
-            env={"PYTHONPATH": str(tmp_path / "site"), "STARTS_FILE": str(tmp_path / f"starts{n}")})
+            env={"PYTHONPATH": str(tmp_path / "site"), "STARTS_FILE": str(tmp_path / f"starts{n}")}, fork=False)
     started = (tmp_path / "starts2").read_text().splitlines()
     assert len(started) == 2 and "ddp_launch_train.py" in started[0], started
     assert "multiprocessing.resource_tracker" in started[1], started
@@ -246,8 +292,8 @@ def test_dp_gpus_without_gpu_is_one_clear_line(tmp_path):
 @pytest.mark.floor
 def test_tests_start_scripts_with_no_gpu_visible():
     """The suite is the CPU/gloo one on every machine: conftest's guard fails any test that starts a process without
-    clean_env(), which hides the GPUs (on a GPU machine the scripts would pick CUDA and NCCL), whatever the program
-    and however it is started."""
+    processes.clean_env(), which hides the GPUs (on a GPU machine the scripts would pick CUDA and NCCL), whatever the
+    program and however it is started."""
     ways = [lambda: subprocess.run([sys.executable, "dp_train.py", "--help"], cwd=ROOT, env=dict(os.environ)),
             lambda: subprocess.Popen(["srun", "--ntasks=2", "true"]),
             lambda: subprocess.run(["torchrun", "--nproc_per_node=2", "ddp_launch_train.py"], cwd=ROOT),
@@ -256,7 +302,7 @@ def test_tests_start_scripts_with_no_gpu_visible():
             lambda: os.system("python dp_train.py --help"),
             lambda: os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], dict(os.environ))]
     for start in ways:
-        with pytest.raises(AssertionError, match="without conftest.clean_env"):
+        with pytest.raises(AssertionError, match="without processes.clean_env"):
             start()
     p = subprocess.run([sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"],
                        env=clean_env(), capture_output=True, text=True)

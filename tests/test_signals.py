@@ -24,12 +24,18 @@ import time
 import pytest
 import torch
 
-from conftest import (LAUNCHER_PICKS_PORT, address_in_use, alive, assert_exit, children, env_ranks, free_port, max_diff,
-                      metrics, run)
-from hooks import Hooks, Proc, clean_env, signal_pending, torchrun, worker_env
+from conftest import PROOF, assert_exit, checkpoint, max_diff, metrics, per_process
+from hooks import Hooks
+from processes import (LAUNCHER_PICKS_PORT, Proc, Ranks, address_in_use, alive, children, run, signal_pending, torchrun,
+                       worker_env)
 
-# 384 samples, batches of 12: 32 steps per epoch in one process, 16 in two; a checkpoint every 4 steps
-TINY = ["--train-size", "384", "--val-size", "101", "--batch-size", "12", "--save-every", "4"]
+# the proof runs' flags (conftest.PROOF: 16 steps an epoch at any number of processes), a checkpoint every 4 steps: an
+# uninterrupted run is the shared proof run of its process count (conftest.SHARED)
+STEPS_PER_EPOCH = 16
+
+
+def flags(nproc):
+    return [*PROOF, *per_process(nproc), "--save-every", 4]
 PAUSE = 6  # the ranks wait after this optimizer step: the last checkpoint before the signal is step 4's
 NEXT_SAVE = 8  # a signal at PAUSE is acted on at the latest here, where every rank checks before saving
 CODE = {signal.SIGTERM: 143, signal.SIGUSR1: 0, signal.SIGHUP: 129}  # docs/failures.md, "Exit codes"
@@ -81,13 +87,13 @@ def sharded_position(folder, tmp_path):
 
 def workers(proc):
     """{rank: pid} of torchrun's workers."""
-    found = {int(worker_env(pid)["RANK"]): pid for pid in children(proc.p.pid) if "RANK" in worker_env(pid)}
-    assert len(found) == 2, f"workers of torchrun (pid {proc.p.pid}): {found}"
+    found = {int(worker_env(pid)["RANK"]): pid for pid in children(proc.pid) if "RANK" in worker_env(pid)}
+    assert len(found) == 2, f"workers of torchrun (pid {proc.pid}): {found}"
     return found
 
 
 def start(tmp_path, cmd, hooks, **env):
-    return Proc(cmd, tmp_path / "log", env=clean_env(**hooks.env, **env))
+    return Proc(cmd, tmp_path / "log", env={**hooks.env, **env}, merge=True)
 
 
 def paused(proc, hooks, ranks):
@@ -118,70 +124,71 @@ def finish(proc, went_on, measured, what):
     return proc.result()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The final weights of an uninterrupted torchrun run of ddp_launch_train.py, 2 processes, 1 epoch."""
-    out = tmp_path_factory.mktemp("reference")
-    run("ddp_launch_train.py", *TINY, "--epochs", 1, "--out-dir", out, launcher="torchrun", nproc=2)
-    return load(out / "last.pt")["model"]
+@pytest.fixture
+def reference(shared):
+    """The final weights of the uninterrupted run of 2 processes (the shared proof run)."""
+    return checkpoint(shared("launch2"))["model"]
 
 
 # ---- one process: plain python
 @pytest.mark.parametrize("script, sig", [
     pytest.param("ddp_launch_train.py", signal.SIGTERM, marks=pytest.mark.floor),
-    pytest.param("dp_train.py", signal.SIGUSR1, marks=pytest.mark.floor),
-    ("ddp_launch_train.py", signal.SIGUSR1), ("dp_train.py", signal.SIGTERM),
-    ("ddp_launch_train.py", signal.SIGHUP)], ids=lambda v: getattr(v, "name", v))  # SIGHUP: a terminal closed
+    pytest.param("dp_train.py", signal.SIGUSR1, marks=[pytest.mark.floor, pytest.mark.full]),
+    pytest.param("ddp_launch_train.py", signal.SIGUSR1, marks=pytest.mark.full),
+    pytest.param("dp_train.py", signal.SIGTERM, marks=pytest.mark.full),
+    pytest.param("ddp_launch_train.py", signal.SIGHUP, marks=pytest.mark.full)],  # SIGHUP: a terminal closed
+    ids=lambda v: getattr(v, "name", v))
 def test_a_signal_to_one_process_saves_at_its_next_check_and_exits_with_its_status(script, sig, tmp_path, measured):
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
-    proc = start(tmp_path, [sys.executable, script, *TINY, "--epochs", 1, "--out-dir", out], hooks)
+    proc = start(tmp_path, [sys.executable, script, *flags(1), "--out-dir", out], hooks)
     try:
         paused(proc, hooks, [0])
-        before = position(load(out / "last.pt"), 32)
+        before = position(load(out / "last.pt"), STEPS_PER_EPOCH)
         went_on = signal_at_the_pause(proc, hooks, [0], sig)
         p = finish(proc, went_on, measured, f"{script} {sig.name}")
     finally:
         proc.kill()
     assert before == 4
     assert_exit(p, CODE[sig])
-    agreed_stop(p.stdout, sig, hooks, out, 32, PAUSE - 1, NEXT_SAVE)
+    agreed_stop(p.stdout, sig, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE)
     assert "Traceback" not in p.stdout, p.stdout[-3000:]
     assert temporary(out) == []
 
 
 # ---- torchrun: the signal to its workers, as torchrun and SLURM send it
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.floor
 def test_sigterm_to_the_torchrun_workers_saves_at_the_step_they_agreed_on_and_the_resume_ends_exactly(
         reference, tmp_path, measured):
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
     proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
-                 [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+                 [*flags(2), "--out-dir", out], hooks)
     try:
         pids = paused(proc, hooks, [0, 1])
-        before = position(load(out / "last.pt"), 16)
+        before = position(load(out / "last.pt"), STEPS_PER_EPOCH)
         went_on = signal_at_the_pause(proc, hooks, [0, 1], signal.SIGTERM)
         p = finish(proc, went_on, measured, "torchrun SIGTERM")
     finally:
         proc.kill()
     assert before == 4
     assert_exit(p, 143, nproc=2)  # torchrun exits 1; its report: each worker's 143
-    step = agreed_stop(p.stdout, signal.SIGTERM, hooks, out, 16, PAUSE - 1, NEXT_SAVE)
+    step = agreed_stop(p.stdout, signal.SIGTERM, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE)
     assert temporary(out) == []
     assert not [pid for pid in pids.values() if alive(pid)], "worker processes left running"
-    log = run("ddp_launch_train.py", *TINY, "--epochs", 1, "--resume", "auto", "--out-dir", out,
+    log = run("ddp_launch_train.py", *flags(2), "--resume", "auto", "--out-dir", out,
               launcher="torchrun", nproc=2).stdout
     assert f"resuming at step {step}" in log
-    assert [r["epoch"] for r in metrics(out)] == [1]
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
     assert max_diff(load(out / "last.pt")["model"], reference) == 0
 
 
-@pytest.mark.slow
-def test_sigusr1_to_one_fsdp_worker_stops_every_rank_at_one_step_in_one_sharded_checkpoint(tmp_path, measured):
+@pytest.mark.full
+def test_sigusr1_to_one_fsdp_worker_stops_every_rank_at_one_step_in_one_sharded_checkpoint(shared, tmp_path,
+                                                                                           measured):
     """A signal to one rank only (a scheduler that signals one process): every rank learns it at the same step, and
     each writes its part of the same ckpt-<step> folder."""
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
-    args = [*TINY, "--epochs", 1, "--ckpt-format", "dcp", "--out-dir", out]
+    args = [*flags(2), "--ckpt-format", "dcp", "--out-dir", out]
     proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "fsdp_train.py") + args, hooks)
     try:
         paused(proc, hooks, [0, 1])
@@ -202,26 +209,30 @@ def test_sigusr1_to_one_fsdp_worker_stops_every_rank_at_one_step_in_one_sharded_
     assert temporary(out) == []
     log = run("fsdp_train.py", *args, "--resume", "auto", launcher="torchrun", nproc=2).stdout
     assert f"resuming at step {step}" in log
-    assert [r["epoch"] for r in metrics(out)] == [1]
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    ended = sorted(complete_sharded(out))[-1]
+    assert ended == 48 and sharded_position(out / f"ckpt-{ended}", tmp_path) == 48
+    converted = load(tmp_path / f"ckpt-{ended}.pt")
+    assert max_diff(converted["model"], checkpoint(shared("fsdp2"))["model"]) == 0  # as if never stopped
 
 
 # ---- mp.spawn: the signal to the parent (the process a scheduler started), which passes it on to its children
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_to_the_spawn_parent_reaches_every_child_which_save_at_one_step(sig, reference, tmp_path, measured):
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
-    args = ["--nprocs", "2", *TINY, "--epochs", 1, "--out-dir", out]
+    args = ["--nprocs", "2", *flags(2), "--out-dir", out]
     proc = start(tmp_path, [sys.executable, "ddp_spawn_train.py", *args], hooks)
     try:
         pids = paused(proc, hooks, [0, 1])
-        before = position(load(out / "last.pt"), 16)
-        went_on = signal_at_the_pause(proc, hooks, [0, 1], sig, to=proc.p.pid)
+        before = position(load(out / "last.pt"), STEPS_PER_EPOCH)
+        went_on = signal_at_the_pause(proc, hooks, [0, 1], sig, to=proc.pid)
         p = finish(proc, went_on, measured, f"spawn {sig.name}")
     finally:
         proc.kill()
     assert before == 4
     assert_exit(p, CODE[sig])  # the parent's status
-    step = agreed_stop(p.stdout, sig, hooks, out, 16, PAUSE - 1, NEXT_SAVE)
+    step = agreed_stop(p.stdout, sig, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE)
     assert "Traceback" not in p.stdout, p.stdout[-3000:]
     assert temporary(out) == []
     assert not [pid for pid in pids.values() if alive(pid)], "child processes left running"
@@ -236,30 +247,27 @@ def hand_launched(tmp_path, args, hooks):
     """Two ranks of ddp_launch_train.py `args`, rank 0 serving the rendezvous on a port picked free, once both wait
     at PAUSE; started again on another port while one failed on "address in use"."""
     for attempt in range(5):
-        ranks = [Proc([sys.executable, "ddp_launch_train.py", *args], tmp_path / f"rank{r}.log",
-                      env=clean_env(**hooks.env, **variables)) for r, variables in enumerate(env_ranks(2, free_port()))]
-        while len(hooks.paused()) < 2 and all(r.p.poll() is None for r in ranks):
-            if time.monotonic() > ranks[0].deadline:
-                for r in ranks:
-                    r.kill(diagnose=True)
-                pytest.fail(f"timed out waiting for both ranks at step {PAUSE}\n{ranks[0].output()[-3000:]}")
+        ranks = Ranks("ddp_launch_train.py", args, 2, env=hooks.env, folder=tmp_path / f"ranks{attempt}")
+        while len(hooks.paused()) < 2 and all(r.poll() is None for r in ranks.procs):
+            if time.monotonic() > ranks.procs[0].deadline:
+                ranks.kill(diagnose=True)
+                pytest.fail(f"timed out waiting for both ranks at step {PAUSE}\n{ranks.output()}")
             time.sleep(0.01)
-        if len(hooks.paused()) == 2 or attempt == 4 or not any(address_in_use(r.output()) for r in ranks):
-            return ranks
-        for r in ranks:
-            r.kill()
+        if len(hooks.paused()) == 2 or attempt == 4 or not any(address_in_use(r.output()) for r in ranks.procs):
+            return ranks.procs
+        ranks.kill()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.full)],
+                         ids=lambda s: s.name)
 def test_a_signal_to_ranks_started_by_hand_saves_at_one_step_and_each_exits_with_its_status(sig, tmp_path, measured):
     """SIGTERM to every rank (as a scheduler stopping its processes), SIGUSR1 to rank 1 alone."""
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
-    ranks = hand_launched(tmp_path, [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+    ranks = hand_launched(tmp_path, [*flags(2), "--out-dir", out], hooks)
     try:
         for r in ranks:  # proc.until below fails at once on a rank that has ended: say why first
-            assert r.p.poll() is None, f"a rank ended before step {PAUSE}\n{r.output()[-3000:]}"
-        before = position(load(out / "last.pt"), 16)
+            assert r.poll() is None, f"a rank ended before step {PAUSE}\n{r.tail()}"
+        before = position(load(out / "last.pt"), STEPS_PER_EPOCH)
         went_on = signal_at_the_pause(ranks[0], hooks, [0, 1], sig, to=[0, 1] if sig == signal.SIGTERM else [1])
         results = [finish(r, went_on, measured, f"hand-launched {sig.name}, rank {i}") for i, r in enumerate(ranks)]
     finally:
@@ -268,13 +276,13 @@ def test_a_signal_to_ranks_started_by_hand_saves_at_one_step_and_each_exits_with
     assert before == 4
     for p in results:
         assert_exit(p, CODE[sig])  # each rank's own status
-    agreed_stop(results[0].stdout, sig, hooks, out, 16, PAUSE - 1, NEXT_SAVE)
-    assert stopped(results[1].stdout, sig) == []  # printed once, by rank 0
+    agreed_stop(results[0].stdout + results[0].stderr, sig, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE)
+    assert stopped(results[1].stdout + results[1].stderr, sig) == []  # printed once, by rank 0
     assert temporary(out) == []
 
 
 # ---- a save that a signal or a kill interrupts
-@pytest.mark.slow
+@pytest.mark.full
 def test_sigterm_while_last_pt_is_half_written_finishes_it_then_saves_at_the_step_the_ranks_agreed_on(tmp_path,
                                                                                                     measured):
     """torchrun's workers get SIGTERM while rank 0 has written half of step 8's checkpoint: it finishes the file
@@ -282,7 +290,7 @@ def test_sigterm_while_last_pt_is_half_written_finishes_it_then_saves_at_the_ste
     save), and saves and stops there."""
     out, hooks = tmp_path / "run", Hooks(tmp_path, stall_save=2)  # the second checkpoint, step 8's
     proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
-                 [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+                 [*flags(2), "--out-dir", out], hooks)
     try:
         proc.until(lambda: hooks.ranks("saving"), "step 8's checkpoint half written")
         saving = json.loads(hooks.ranks("saving")[0])
@@ -293,21 +301,20 @@ def test_sigterm_while_last_pt_is_half_written_finishes_it_then_saves_at_the_ste
         # the signal taken, the save goes on: its file still there, half written
         assert os.path.exists(saving["path"]), "the save was given up on SIGTERM"
         half = os.path.getsize(saving["path"])
-        assert position(load(out / "last.pt"), 16) == 4
+        assert position(load(out / "last.pt"), STEPS_PER_EPOCH) == 4
         hooks.go()
         p = finish(proc, time.monotonic(), measured, "SIGTERM mid-save")
     finally:
         proc.kill()
     assert half == saving["written"] < saving["size"] and os.path.dirname(saving["path"]) == str(out)
     assert_exit(p, 143, nproc=2)
-    agreed_stop(p.stdout, signal.SIGTERM, hooks, out, 16, 8, 12)  # last.pt whole, and saved after the signal
+    agreed_stop(p.stdout, signal.SIGTERM, hooks, out, STEPS_PER_EPOCH, 8, 12)  # whole, and saved after the signal
     assert temporary(out) == []
 
 
-@pytest.mark.slow
 def test_a_process_killed_while_it_writes_last_pt_leaves_the_previous_one_whole(tmp_path):
     out, hooks = tmp_path / "run", Hooks(tmp_path, stall_save=2)  # one process: steps 4 and 8 save
-    args = ["ddp_launch_train.py", *TINY, "--epochs", 1, "--out-dir", out]
+    args = ["ddp_launch_train.py", *flags(1), "--out-dir", out]
     proc = start(tmp_path, [sys.executable, *args], hooks)
     try:
         proc.until(lambda: hooks.ranks("saving"), "step 8's checkpoint half written")
@@ -316,17 +323,17 @@ def test_a_process_killed_while_it_writes_last_pt_leaves_the_previous_one_whole(
         proc.kill()  # SIGKILL, mid-save
     finally:
         proc.kill()
-    assert (out / "last.pt").read_bytes() == before and position(load(out / "last.pt"), 32) == 4
+    assert (out / "last.pt").read_bytes() == before and position(load(out / "last.pt"), STEPS_PER_EPOCH) == 4
     partial = [out / name for name in temporary(out)]
     assert partial == [type(out)(saving["path"])] and partial[0].stat().st_size == saving["written"]
     with pytest.raises(Exception):
         load(partial[0])
     log = run(*args, "--resume", "auto").stdout  # and the run goes on from the previous checkpoint
     assert "resuming at step 4" in log
-    assert load(out / "last.pt")["epoch"] == 1
+    assert load(out / "last.pt")["epoch"] == 3
 
 
-SHARDED = [*TINY, "--epochs", 1, "--ckpt-format", "dcp", "--async-save"]  # 2 processes: 16 steps
+SHARDED = [*flags(2), "--epochs", 1, "--ckpt-format", "dcp", "--async-save"]  # 16 steps
 
 
 def stalled_in_the_background(tmp_path, hooks):
@@ -345,7 +352,7 @@ def stalled_in_the_background(tmp_path, hooks):
     return proc, out
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_sigterm_during_a_background_sharded_save_waits_for_it_then_saves_at_the_step_the_ranks_agreed_on(
         tmp_path, measured):
     hooks = Hooks(tmp_path, stall_dcp=2)
@@ -374,7 +381,7 @@ def test_sigterm_during_a_background_sharded_save_waits_for_it_then_saves_at_the
     assert metrics(out)[-1]["step"] == 16
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_kill_during_a_background_sharded_save_leaves_the_previous_checkpoint(tmp_path):
     """SIGKILL to every process while step 8's ckpt-8.tmp is being written: --resume auto skips it, resumes from the
     newest complete one (step 4's), and the run in that --out-dir deletes the .tmp."""
@@ -394,7 +401,8 @@ def test_a_kill_during_a_background_sharded_save_leaves_the_previous_checkpoint(
 # ---- the launcher's grace period: torchrun's SIGTERM to its workers, then its SIGKILL 30 s later (SLURM's KillWait is
 # 30 s too)
 GRACE = 30
-SLOW = ["--train-size", "768", "--val-size", "20", "--batch-size", "12", "--epochs", "1"]  # 2 processes: 32 steps
+# 2 processes: 32 steps
+SLOW = ["--model", "smooth", "--train-size", "768", "--val-size", "20", "--batch-size", "12", "--epochs", "1"]
 
 
 def torchrun_run(tmp_path, hooks, *args):
@@ -404,7 +412,7 @@ def torchrun_run(tmp_path, hooks, *args):
     return proc, out
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_sigterm_to_torchrun_with_steps_of_seconds_saves_at_one_step_well_within_its_grace_period(tmp_path, measured):
     """Steps of 1.5 s; SIGTERM to torchrun itself (as a scheduler stops a job), which passes it on to its workers,
     once they have taken 3 steps (no --save-every, and before the first --log-every step: only the checks' cadence
@@ -415,7 +423,7 @@ def test_sigterm_to_torchrun_with_steps_of_seconds_saves_at_one_step_well_within
     try:
         proc.until(lambda: len(hooks.steps()) == 2 and min(hooks.steps().values()) >= 3, "3 steps taken")
         t = time.monotonic()
-        os.kill(proc.p.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
         proc.wait(expect=None)
         seconds = measured("seconds from SIGTERM to torchrun to its exit, steps of 1.5 s", time.monotonic() - t, GRACE)
     finally:
@@ -428,7 +436,7 @@ def test_sigterm_to_torchrun_with_steps_of_seconds_saves_at_one_step_well_within
     assert temporary(out) == []
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_save_that_outlives_the_grace_period_is_killed_and_the_previous_checkpoint_stays_whole(tmp_path, measured):
     """SIGTERM to torchrun at step 6; the save at the agreed step never ends (it waits half-written for a `go` that
     never comes): torchrun kills its workers 30 s after the signal, rank 1 too, which waits to learn whether rank 0's
@@ -436,7 +444,7 @@ def test_a_save_that_outlives_the_grace_period_is_killed_and_the_previous_checkp
     hooks = Hooks(tmp_path, pause_at=PAUSE, stall_save=2)  # step 4's save, then the stop's
     proc, out = torchrun_run(tmp_path, hooks, "--save-every", 4)
     try:
-        t = signal_at_the_pause(proc, hooks, [0, 1], signal.SIGTERM, to=proc.p.pid, release=["pause"])  # not the save
+        t = signal_at_the_pause(proc, hooks, [0, 1], signal.SIGTERM, to=proc.pid, release=["pause"])  # not the save
         proc.until(lambda: hooks.ranks("saving"), "the stop's checkpoint half written")
         proc.wait(expect=None)
         seconds = measured("seconds from the signal to torchrun's exit, the save stalled", time.monotonic() - t)
@@ -457,21 +465,23 @@ def test_a_save_that_outlives_the_grace_period_is_killed_and_the_previous_checkp
 
 
 # ---- a stop at an epoch's end: saved before the evaluation, which may outlast a launcher's grace period
-EVAL = ["--train-size", "64", "--batch-size", "16", "--epochs", "2", "--val-size", "12000"]  # 4 steps an epoch
-GRACE_STAND_IN = 3  # seconds: a SIGKILL this long after the signal, shorter than one evaluation (5-10 s here)
+# 4 steps an epoch; an evaluation of 16 batches made 4 s long (tests/hooks.py: eval_s), as a long one would be
+EVAL = ["--model", "smooth", "--train-size", "64", "--batch-size", "16", "--epochs", "2", "--val-size", "256"]
+EVAL_S = 0.25  # seconds per evaluation batch
+GRACE_STAND_IN = 3  # seconds: a SIGKILL this long after the signal, shorter than one evaluation (4 s)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_stop_agreed_at_an_epochs_last_step_saves_before_the_evaluation_and_the_resume_evaluates_first(tmp_path):
     """SIGTERM at step 4, the epoch's last: the run saves that step and ends before its evaluation, well inside a grace
     period shorter than the evaluation (a timer's SIGKILL stands in for it). The resumed run evaluates epoch 1, writes
     its row, then trains epoch 2."""
-    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=4)
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=4, eval_s=EVAL_S)
     proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *EVAL, "--out-dir", out], hooks)
     try:
         signal_at_the_pause(proc, hooks, [0], signal.SIGTERM)
         t = time.monotonic()
-        while proc.p.poll() is None and time.monotonic() - t < GRACE_STAND_IN:
+        while proc.poll() is None and time.monotonic() - t < GRACE_STAND_IN:
             time.sleep(0.05)
     finally:
         proc.kill()  # the grace period's end
@@ -481,22 +491,23 @@ def test_a_stop_agreed_at_an_epochs_last_step_saves_before_the_evaluation_and_th
     ckpt = load(out / "last.pt")
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 0)  # the epoch's end, saved
     assert not (out / "metrics.jsonl").exists() or metrics(out) == []  # not evaluated
-    log = run("ddp_launch_train.py", *EVAL, "--resume", "auto", "--out-dir", out).stdout
+    log = run("ddp_launch_train.py", *EVAL, "--resume", "auto", "--out-dir", out,
+              env=Hooks(tmp_path / "resumed", eval_s=EVAL_S).env).stdout
     assert re.search(r"resuming at step 4\nepoch 1 .*\nepoch 2 ", log), log
     rows = metrics(out)
-    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 4), (2, 8)] and rows[0]["val_count"] == 12000
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 4), (2, 8)] and rows[0]["val_count"] == 256
     assert rows[0]["eval_time_s"] > GRACE_STAND_IN  # the evaluation would have outlasted the grace period
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_stop_during_the_evaluation_ends_the_run_at_its_end_without_training_on(tmp_path):
     """SIGTERM while epoch 1 evaluates (its checkpoint saved just before): the run writes the row and exits 143,
     training no further step; the resume goes on with epoch 2 and evaluates epoch 1 no second time."""
-    out, hooks = tmp_path / "run", Hooks(tmp_path)
+    out, hooks = tmp_path / "run", Hooks(tmp_path, eval_s=EVAL_S)
     proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *EVAL, "--out-dir", out], hooks)
     try:
         proc.until(lambda: (out / "last.pt").exists(), "epoch 1's checkpoint")
-        os.kill(proc.p.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
         proc.wait(expect=None)
     finally:
         proc.kill()
@@ -510,12 +521,12 @@ def test_a_stop_during_the_evaluation_ends_the_run_at_its_end_without_training_o
 
 
 # ---- SIGTERM twice: torchrun passes on each one it gets; SLURM signals every process of a step, and torchrun too
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("to", ["one worker twice", "torchrun and its workers"])
 def test_repeated_sigterms_never_cancel_the_agreed_save_and_the_resume_ends_exactly(to, reference, tmp_path, measured):
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
     proc = start(tmp_path, torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
-                 [*TINY, "--epochs", 1, "--out-dir", out], hooks)
+                 [*flags(2), "--out-dir", out], hooks)
     try:
         pids = paused(proc, hooks, [0, 1])
         if to == "one worker twice":
@@ -523,7 +534,7 @@ def test_repeated_sigterms_never_cancel_the_agreed_save_and_the_resume_ends_exac
                 os.kill(pids[1], signal.SIGTERM)
                 time.sleep(0.1)
         else:  # as slurmstepd sends it: to every process at once (torchrun then passes its own on)
-            for pid in [proc.p.pid, *pids.values()]:
+            for pid in [proc.pid, *pids.values()]:
                 os.kill(pid, signal.SIGTERM)
         proc.until(lambda: all(hooks.handled(pid, signal.SIGTERM) for pid in pids.values()) or
                    to == "one worker twice" and hooks.handled(pids[1], signal.SIGTERM), "SIGTERM taken")
@@ -536,8 +547,8 @@ def test_repeated_sigterms_never_cancel_the_agreed_save_and_the_resume_ends_exac
         assert_exit(p, 143, nproc=2)  # each worker saved and exited with its status: none killed by the second one
     else:  # torchrun, signalled itself, exits 1 and reports no worker: their own statuses, from the hooks
         assert hooks.exits() == {0: 143, 1: 143} and "got signal: 15" in p.stdout, p.stdout[-3000:]
-    step = agreed_stop(p.stdout, signal.SIGTERM, hooks, out, 16, PAUSE - 1, NEXT_SAVE)
-    log = run("ddp_launch_train.py", *TINY, "--epochs", 1, "--resume", "auto", "--out-dir", out,
+    step = agreed_stop(p.stdout, signal.SIGTERM, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE)
+    log = run("ddp_launch_train.py", *flags(2), "--resume", "auto", "--out-dir", out,
               launcher="torchrun", nproc=2).stdout
     assert f"resuming at step {step}" in log
     assert max_diff(load(out / "last.pt")["model"], reference) == 0
@@ -552,7 +563,7 @@ def images(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("launch", ["python", "mp.spawn", "torchrun"])
 def test_ctrl_c_to_the_whole_group_stops_at_one_step_with_a_save(launch, images, tmp_path, measured):
     """Ctrl-C, as `kill -INT -- -PGID`, with 2 DataLoader workers per trainer reading files. The DataLoader workers and
@@ -569,7 +580,7 @@ def test_ctrl_c_to_the_whole_group_stops_at_one_step_with_a_save(launch, images,
     proc = start(tmp_path, cmd + [str(a) for a in args], hooks)
     try:
         pids = paused(proc, hooks, ranks)
-        os.killpg(proc.p.pid, signal.SIGINT)  # the terminal's process group: every process but torchrun's workers
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's process group: every process but torchrun's workers
         sig = signal.SIGTERM if launch == "mp.spawn" else signal.SIGINT
         proc.until(lambda: all(hooks.handled(pid, sig) for pid in pids.values()), f"{sig.name} taken")
         hooks.go()
@@ -588,13 +599,13 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path):
     """The first Ctrl-C is noted (a save to come); a second, while the rank still waits at step 6, ends it at once,
     killed by SIGINT, before that save: the previous checkpoint, step 4's, stays whole."""
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
-    proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *TINY, "--epochs", 1, "--out-dir", out], hooks)
+    proc = start(tmp_path, [sys.executable, "ddp_launch_train.py", *flags(1), "--out-dir", out], hooks)
     try:
         paused(proc, hooks, [0])
-        os.kill(proc.p.pid, signal.SIGINT)
-        proc.until(lambda: hooks.handled(proc.p.pid, signal.SIGINT), "the first Ctrl-C taken")
-        os.kill(proc.p.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.until(lambda: hooks.handled(proc.pid, signal.SIGINT), "the first Ctrl-C taken")
+        os.kill(proc.pid, signal.SIGINT)
         proc.wait(expect=-signal.SIGINT)
     finally:
         proc.kill()
-    assert position(load(out / "last.pt"), 32) == 4 and temporary(out) == []
+    assert position(load(out / "last.pt"), STEPS_PER_EPOCH) == 4 and temporary(out) == []

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import common
+from conftest import assert_exit, checkpoint, metrics, worker_exit_codes
+from processes import run
 from train_extras import finetune, models
-from conftest import assert_exit, checkpoint, metrics, run, worker_exit_codes
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
 SCRIPTS = ["dp_train.py", "ddp_launch_train.py", "ddp_spawn_train.py", "ddp_amp_train.py", "fsdp_train.py"]
@@ -231,7 +232,6 @@ def test_an_optimizer_state_without_tensors_resumes(script, tmp_path):
         checkpoint(str(out))["step_in_epoch"] == 4, p.stdout
 
 
-@pytest.mark.slow
 def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path):
     out = tmp_path / "out"
     p = run("ddp_launch_train.py", *TINY, "--save-every", 2, "--max-steps", 3, "--out-dir", out)
@@ -268,6 +268,7 @@ def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == ["file"] and (tmp_path / "file").read_text() == ""
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_spawn_train.py"])
 def test_the_one_process_scripts_refuse_torchrun(script, tmp_path):
     p = run(script, *TINY, "--out-dir", tmp_path, launcher="torchrun", nproc=2, check=False)
@@ -285,7 +286,7 @@ def test_spawn_usage_errors_exit_2(tmp_path, flag):
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_corrupt_image_is_named_by_the_rank_that_reads_it(tmp_path):
     write_images(tmp_path, {"train": {"a": 12, "b": 12}, "val": {"a": 3, "b": 3}})
     bad = tmp_path / "train" / "b" / "7.png"

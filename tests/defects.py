@@ -1,0 +1,103 @@
+"""Planted defects: does the suite still catch them? Each defect is a small edit of a script or of common.py, of the
+kind a change could make by mistake. For each, a copy of the checkout is made in a temporary folder, the edit is
+applied there (the text it replaces must be found exactly once), and a tier of the suite runs against it, stopping at
+its first failure: that test caught the defect. A defect no test catches is a hole in the suite.
+
+    python tests/defects.py                  # every defect against the everyday tier (python -m pytest)
+    python tests/defects.py --full           # against the full tier
+    python tests/defects.py --only set_epoch --only scaler
+
+Each run takes minutes (a tier runs until its first failure). docs/correctness.md lists the defects and the tests
+that caught them."""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the defect is)
+    "set_epoch": ("ddp_launch_train.py", [("    run.sampler.set_epoch(epoch)\n", "")],
+                  "no sampler.set_epoch: every epoch repeats epoch 0's order"),
+    "buffer_broadcast": ("ddp_launch_train.py", [("                dist.broadcast(buffer, src=0)\n",
+                                                  "                pass\n")],
+                         "the BatchNorm buffers not broadcast before the evaluation and the save"),
+    "step_check": ("common.py", [("        return self.check(every_rank=self.save_due or self.last)\n",
+                                  "        return None\n")],
+                   "the step's check gone: no NaN/inf stop, no stop signal acted on, no timeout switch"),
+    "resume_one_step_late": ("common.py", [(
+        '        self.step_in_epoch = saved.get("samples_in_epoch", 0) // self.global_batch\n',
+        '        self.step_in_epoch = (saved.get("samples_in_epoch", 0) // self.global_batch\n'
+        '                              + bool(saved.get("samples_in_epoch")))\n')],
+        "a mid-epoch resume one step late: a batch skipped"),
+    "rng_restore": ("common.py", [("def restore_rng(saved, run):\n", "def restore_rng(saved, run):\n    return\n")],
+                    "the random generators not restored on resume"),
+    "scaler": ("ddp_amp_train.py", [('             "scaler": run.scaler.state_dict()}  # [amp] the loss scale\n',
+                                     "             }\n")],
+               "fp16's GradScaler state left out of last.pt"),
+    "every_rank_prints": ("ddp_launch_train.py", [
+        ("    master = run.rank == 0  # only rank 0 prints and writes files\n", "    master = True\n")],
+        "every rank prints (and writes metrics.jsonl)"),
+    "exit_1_on_bad_input": ("common.py", [("    def __init__(self, message, code=2, printer=0):\n",
+                                           "    def __init__(self, message, code=1, printer=0):\n")],
+                            "bad input exits 1, not 2"),
+    "non_atomic_save": ("common.py", [('        with open(tmp, "wb") as f:\n', '        with open(path, "wb") as f:\n'),
+                                      ("        os.replace(tmp, path)\n", "")],
+                        "last.pt written in place: a kill mid-save leaves a torn file"),
+    "sigusr1_ignored": ("common.py", [('for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")',
+                                       'for n in ("SIGTERM", "SIGHUP", "SIGINT")')],
+                        "SIGUSR1 (a time limit near) not acted on"),
+}
+
+
+def planted(name, folder):
+    """A copy of the checkout's tracked files in `folder`, with defect `name` applied."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        os.makedirs(os.path.join(folder, os.path.dirname(f)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(folder, f))
+    path, edits, _ = DEFECTS[name]
+    text = open(os.path.join(folder, path)).read()
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{name}: the text to replace is in {path} {text.count(old)} times, not once")
+        text = text.replace(old, new)
+    with open(os.path.join(folder, path), "w") as f:
+        f.write(text)
+
+
+def first_failure(output):
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" ", 1)[1].split(" - ")[0]
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="the full tier (default: the everyday one)")
+    parser.add_argument("--only", action="append", choices=sorted(DEFECTS), help="these defects only")
+    parser.add_argument("--pytest-args", default="", help="more arguments for pytest (e.g. a test's path first)")
+    args = parser.parse_args()
+    missed = []
+    for name in args.only or DEFECTS:
+        with tempfile.TemporaryDirectory(prefix=f"defect-{name}-") as folder:
+            planted(name, folder)
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                   *(["--full"] if args.full else []), *args.pytest_args.split()]
+            t = time.monotonic()
+            p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
+            caught = first_failure(p.stdout) if p.returncode != 0 else None
+            print(f"{name}: {'caught by ' + caught if caught else 'NOT CAUGHT'} ({time.monotonic() - t:.0f} s)"
+                  f"  [{DEFECTS[name][2]}]", flush=True)
+            if not caught:
+                missed.append(name)
+                print(p.stdout[-2000:], flush=True)
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
