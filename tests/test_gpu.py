@@ -1,5 +1,5 @@
 """Every script on ONE CUDA GPU: what the CPU suite cannot show. Skipped where there is no CUDA; run on a GPU machine by
-`python benchmarks/gpu_report.py --part tests` (or `python -m pytest tests/test_gpu.py`), in under 6 minutes.
+`python benchmarks/gpu_report.py --part tests` (or `python -m pytest --full tests/test_gpu.py`), in under 6 minutes.
 
 What runs here: each script's default run at world size 1 with NCCL (TF32 on) against the same run on the CPU;
 ddp_amp_train.py in bf16 and fp16 (autocast seen running in 16 bits, fp16's GradScaler through a resume); two
@@ -369,7 +369,7 @@ def test_checkpoints_move_between_cpu_and_gpu(runs, tmp_path, record_property):
     go(LAUNCH, *PROOF, "--batch-size", 24, "--max-steps", 20, out_dir=out, device="cpu")
     on_gpu = go(LAUNCH, *PROOF, "--batch-size", 24, "--max-steps", 36, "--resume", "auto", out_dir=out)
     assert "resuming at step 20" in on_gpu.proc.stdout and f"device {DEVICE}" in on_gpu.proc.stdout
-    assert_loads_without_a_gpu(str(out / "last.pt"))
+    assert_loads_without_a_gpu(str(out / "last.pt"), "smooth")
     back = go(LAUNCH, *PROOF, "--batch-size", 24, "--resume", "auto", out_dir=out, device="cpu")
     assert "resuming at step 36" in back.proc.stdout and [r["step"] for r in back.rows] == [16, 32, 48]
     diff = max_diff(back.ckpt["model"], straight.ckpt["model"])
