@@ -90,7 +90,8 @@ def part_tests(a, m):
     for i, k in enumerate(jobs):
         if os.path.exists(f"{a.out}/tests-{i}.xml"):  # an earlier run's: never read as this one's
             os.remove(f"{a.out}/tests-{i}.xml")
-        cmd = [sys.executable, "-m", "pytest", "--full", "tests/test_gpu.py", "-v", "-rs", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", "--full", "-n", "0", "tests/test_gpu.py", "-v", "-rfEs", "-p",
+               "no:cacheprovider",
                f"--junitxml={a.out}/tests-{i}.xml", "-o", "junit_family=xunit1", f"--basetemp={a.out}/tmp-{i}"]
         cmd += ["-k", k] if k else []
         log = open(os.path.join(a.out, f"tests-{i}.log"), "w")

@@ -68,6 +68,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("the tests left these behind, which fails the run: " + ", ".join(LEFT_BEHIND))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's run, as each worker ends: the numbers it measured, the tests it ran on the SLURM cluster."""
+    output = getattr(node, "workeroutput", {})
+    MEASURED.extend(tuple(m) for m in json.loads(output.get("measured", "[]")))
+    SLURM_RAN.extend(json.loads(output.get("slurm_ran", "[]")))
+
+
 # ---- no GPU for the processes a test starts
 GUARD = {"on": True, "installed": False}
 
@@ -143,6 +151,9 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session):
     Forker.close()
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its numbers go to the run that started it
+        session.config.workeroutput["measured"] = json.dumps(MEASURED)
+        session.config.workeroutput["slurm_ran"] = json.dumps(SLURM_RAN)
     if controller(session.config) and hasattr(session.config, "before"):
         LEFT_BEHIND[:] = sorted(snapshot() - session.config.before)
         if LEFT_BEHIND and session.exitstatus == 0:

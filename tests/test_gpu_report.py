@@ -69,7 +69,8 @@ def test_dry_run_runs_both_parts_on_the_cpu(tmp_path):
     configuration): every GPU test passes, or skips saying it needs a GPU; every configuration gives its rows and the
     three targets are judged (their values mean nothing here)."""
     p = command([sys.executable, REPORT, "--dry-run", "--out", tmp_path], timeout=1200)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    why = [line for line in (p.stdout + p.stderr).splitlines() if "FAILED" in line or "exited" in line]
+    assert p.returncode == 0, "\n".join(why) + "\n" + p.stdout[-5000:] + p.stderr[-3000:]
     tests = json.loads((tmp_path / "tests.json").read_text())
     assert tests["machine"]["dry_run"] and tests["exit_codes"] == [0, 0]
     names = {t["name"].split("[")[0] for t in tests["tests"]}
