@@ -28,6 +28,7 @@ import runpy
 import select
 import signal
 import sys
+import tempfile
 import traceback
 
 import numpy
@@ -75,6 +76,7 @@ def run_child(request):
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # found again from TMPDIR, as a fresh interpreter does
         # what a fresh interpreter sets at its start, here of this process at its: the working directory that
         # mp.spawn's children resolve the script's path from, the authentication key of its children, the seeds
         multiprocessing.process.ORIGINAL_DIR = os.getcwd()

@@ -14,8 +14,11 @@ def _install():
 
     _dir = os.environ["TEST_HOOKS"]
 
-    def _mark(name, text=""):  # whole or not at all: written aside, then renamed
-        tmp = os.path.join(_dir, f".{name}.{os.getpid()}")
+    _marks = iter(range(2**62))
+
+    def _mark(name, text=""):  # whole or not at all: written aside, then renamed. A name of its own for each
+        # call: a signal handler's mark may interrupt another (the same signal twice, from a launcher and a job)
+        tmp = os.path.join(_dir, f".{name}.{os.getpid()}.{next(_marks)}")
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, os.path.join(_dir, name))
