@@ -8,11 +8,13 @@ import gc
 import importlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -23,6 +25,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 EXTRAS = ("datasets", "models", "finetune", "tensorboard")  # with flags of their own
+EXTRA_FLAGS = {"datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
+                            "--synthetic-shape"), "models": ("--model",),
+               "finetune": ("--pretrained", "--weights", "--freeze-backbone"),
+               "tensorboard": ("--tensorboard",)}
 
 
 class UsageError(Exception):
@@ -50,7 +56,11 @@ class Parser(argparse.ArgumentParser):
     one_process = None  # why a launcher is wrong, for a script that starts its own processes
     collectives = True  # dp_train.py: no process group
 
-    def error(self, message):  # one line, exit 2
+    def error(self, message):  # one line, exit 2; a flag of an extra not copied: its file
+        words = set(message.replace("=", " ").split())
+        for name, flags in EXTRA_FLAGS.items():
+            if message.startswith("unrecognized") and words & set(flags) and not extra(name):
+                message += f" (a flag of train_extras/{name}.py: copy it and its __init__.py)"
         raise UsageError(f"{message} (see {self.prog} --help)")
 
     def parse_args(self, *a, **kw):
@@ -263,24 +273,58 @@ def make_loader(ds, batches, run):
 
 
 def deaf(_):
-    """A DataLoader worker's start: Ctrl-C and the stop signals reach a terminal's or a job's every
-    process, but only the trainer acts on them (it ends its workers). Not SIGTERM: with it torch's
-    own handler, and the DataLoader, end a worker that never answers."""
+    """A DataLoader worker's start: a job's stop signal reaches every process (scancel, timeout,
+    docker stop, Ctrl-C, torchrun's each worker's group), but only the trainer acts on it, and
+    ends its workers on its way out (end_workers). Torch's own SIGTERM handler would end the
+    worker, and the trainer's loader with it: no save (Lightning-AI/pytorch-lightning#17899)."""
     for sig in STOP_SIGNALS:
-        if sig != signal.SIGTERM:
-            signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def end_workers():
+    """On every way out: the DataLoader workers (multiprocessing's daemon children, which its own
+    exit would end) killed, since they ignore SIGTERM; the loader's SIGCHLD check off first, or
+    their deaths would be its error. The spawn parent's children are not daemons: never these."""
+    if hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+def nested(fn, x):
+    """fn applied to every tensor of x: a tensor, or a dict, list or tuple of them, nested (the
+    inputs a tokenizer or a multi-input model takes)."""
+    if isinstance(x, dict):
+        return {k: nested(fn, v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)([nested(fn, v) for v in x])
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    return x
+
+
+def micro_batches(x, n):
+    """x split into n micro-batches along the batch dimension, whatever its structure."""
+    return [nested(lambda t: t.chunk(n)[i], x) for i in range(n)]
 
 
 def to_device(run, ds, x, y):
-    """A batch on the device; uint8 images made float there by their `normalize`."""
+    """A batch on the device, `x` of any structure (nested); uint8 images made float there by their
+    `normalize`."""
     y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
-    x = x.float() if x.dtype == torch.float64 else x  # numpy's default
     long = y.dtype if y.is_floating_point() else torch.long  # (float: the loss's own error)
-    x, y = x.to(run.device, non_blocking=True), y.to(run.device, long, non_blocking=True)
+    return nested(lambda t: input_on(run, ds, t), x), y.to(run.device, long, non_blocking=True)
+
+
+def input_on(run, ds, x):
+    """One tensor of a batch's input, on the device."""
+    x = x.float() if x.dtype == torch.float64 else x  # numpy's default
+    x = x.to(run.device, non_blocking=True)
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
     if run.args.channels_last and x.ndim == 4:
         x = x.contiguous(memory_format=torch.channels_last)
-    return x, y
+    return x
 
 
 def make_optimizer(args, model, steps_per_epoch):
@@ -337,11 +381,13 @@ def find_checkpoint(run):
     if not args.resume or args.resume == "auto" and not os.path.exists(path):
         earlier = earlier_run(run)
         if args.resume:
-            print(f"--resume auto: no last.pt in {run.out_dir}, starting afresh", flush=True)
+            print(f"--resume auto: no checkpoint in {run.out_dir}, starting afresh", flush=True)
         return replace_earlier(earlier, run, None)
     path = path if args.resume == "auto" else args.resume
     if os.path.isfile(os.path.join(path, "last.pt")):  # its folder
         path = os.path.join(path, "last.pt")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+        raise UsageError(f"--resume {path}: a folder that holds no checkpoint (no last.pt)")
     if os.path.isdir(path):
         raise UsageError(f"{path} is a sharded checkpoint: make it one file with python -m "
                          f"train_extras.sharded {path} last.pt")
@@ -350,6 +396,17 @@ def find_checkpoint(run):
     shapes = {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None
     ckpt = check_fits(path, ckpt, shapes, run)
     return replace_earlier(earlier_run(run), run, ckpt)
+
+
+def check_out_dir(run):
+    """Rank 0, before the data and the model are built: an earlier run in --out-dir refused unasked,
+    and a folder that cannot be written found now, not at the first save."""
+    if os.path.isdir(run.out_dir):
+        earlier_run(run)
+        try:
+            tempfile.TemporaryFile(dir=run.out_dir).close()
+        except OSError as e:
+            raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}") from None
 
 
 def earlier_run(run):
@@ -653,6 +710,7 @@ def run(main, parse_args):
             traceback.print_exc()
             code = 1
     finally:
+        end_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
     # no interpreter teardown, where gloo's threads now and then hang or abort the process
@@ -666,8 +724,7 @@ def run(main, parse_args):
 def say(e, rank):
     """`e` printed by its rank; its exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: neither a launcher's SIGTERM
-    if hasattr(signal, "SIGCHLD"):  # nor the DataLoader's check of its workers cuts it short
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    end_workers()  # nor the DataLoader's check of its workers cuts it short
     if printer := e.printer in (None, rank):
         print(e if e.code == 0 or e.code > 128 else f"error: {e}", file=sys.stderr, flush=True)
     # rank 0 says why before the others exit; before the process group, torchrun's SIGTERM

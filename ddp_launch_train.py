@@ -132,7 +132,7 @@ def train_step(run, x, y):
     """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
     the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
-    for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+    for micro, (xm, ym) in enumerate(zip(common.micro_batches(x, accum), y.chunk(accum))):
         # no_sync: accumulate locally; all-reduce only once, with the step's last micro-batch
         with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             loss = F.cross_entropy(run.model(xm), ym) / accum
@@ -232,6 +232,7 @@ def main(args):
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(__file__))[0])
+    common.on_rank0(lambda: common.check_out_dir(run), run.rank)  # a used one: refused now
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     build_data(run)
     build_model(run)

@@ -131,7 +131,7 @@ def train_step(run, x, y):
     the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     # [dp] one process: no gradients to synchronize, no no_sync()
-    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [dp]
+    for xm, ym in zip(common.micro_batches(x, accum), y.chunk(accum)):  # [dp]
         # the mean over the whole micro-batch
         loss = run.model(xm, ym)[0].sum().to(run.device) / len(ym) / accum
         loss.backward()  # DataParallel adds up the replicas' gradients on the first GPU
@@ -225,6 +225,7 @@ def main(args):
     master = run.rank == 0  # one process: it prints and writes files
     run.out_dir = args.out_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(__file__))[0])
+    common.on_rank0(lambda: common.check_out_dir(run), run.rank)  # a used one: refused now
     run.global_batch = (args.batch_size * args.grad_accum  # [dp] --batch-size: per GPU
                         * max(1, len(run.gpus)))
     build_data(run)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 import common
@@ -193,7 +193,7 @@ def train_step(run, x, y):
     # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad. FSDP's no_sync
     # (set_requires_gradient_sync(False)) would keep full-size gradients on every rank instead,
     # which FSDP is here to avoid
-    for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # [fsdp]
+    for xm, ym in zip(common.micro_batches(x, accum), y.chunk(accum)):  # [fsdp]
         loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
@@ -277,8 +277,8 @@ def pad_forwards(run):
     ds = run.val_loader.dataset
     batches = math.ceil(math.ceil(len(ds) / run.world_size) / run.args.batch_size)  # rank 0's
     for _ in range(len(run.val_loader), batches):
-        run.raw_model(common.to_device(
-            run, ds, ds[0][0][None], torch.zeros(1, dtype=torch.long))[0])  # counts nowhere
+        x, y = default_collate([ds[0]])  # a batch of one sample, as the loader makes it
+        run.raw_model(common.to_device(run, ds, x, y)[0])  # counts nowhere
 
 
 def save(run, blocking=False):
@@ -341,6 +341,7 @@ def main(args):
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(__file__))[0])
+    common.on_rank0(lambda: common.check_out_dir(run), run.rank)  # a used one: refused now
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     run.sharded = (common.optional("sharded", "--ckpt-format dcp").Saver(run)  # [fsdp] each rank
                    if args.ckpt_format == "dcp" or args.async_save else None)  # writes its part

@@ -384,6 +384,46 @@ def test_a_signal_to_an_srun_step_reaches_every_task_which_save_at_the_step_they
     assert [p.name for p in out.iterdir() if ".tmp" in p.name] == []
 
 
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    from test_scripts import write_imagefolder
+    root = tmp_path_factory.mktemp("images")
+    write_imagefolder(root, per_class_train=48)  # 144 images: 9 steps an epoch at 8 a process
+    return root
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 0)], ids=["SIGTERM", "SIGUSR1"])
+def test_scancel_to_tasks_reading_files_with_dataloader_workers_saves_and_says_nothing_else(slurm, sig, code, images,
+                                                                                           tmp_path):
+    """`scancel <job>` (SIGTERM) and `scancel --signal=USR1 <job>` (what slurm_example.sbatch passes on) signal every
+    process of the step: the tasks, their DataLoader workers (2 each, reading an ImageFolder) and the workers'
+    helper processes. The tasks save at one agreed step and exit with the signal's status; the output holds the
+    `stopped` line and no traceback or warning; nothing is left in TMPDIR."""
+    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), tmp_path / "tmp"
+    tmp.mkdir()
+    args = ["ddp_launch_train.py", "--dataset", "imagefolder", "--data-dir", str(images), "--image-size", "16",
+            "--workers", "2", "--batch-size", "8", "--save-every", "4", "--epochs", "1", "--out-dir", str(out)]
+    hooks.env["TMPDIR"] = str(tmp)  # srun passes its environment on to the tasks
+    proc = srun(slurm, tmp_path, [], args, hooks, ready=lambda proc: len(hooks.paused()) == 2)
+    try:
+        proc.until(lambda: sorted(hooks.paused()) == [0, 1], f"both tasks waiting at step {PAUSE}")
+        job = worker_env(hooks.paused()[0])["SLURM_JOB_ID"]
+        options = ["--signal=USR1"] if sig == signal.SIGUSR1 else []  # else SIGTERM, then SIGKILL after KillWait
+        command(["scancel", *options, job], env=clean_env(slurm.env()), timeout=30, check=True)
+        proc.until(lambda: all(hooks.handled(pid, sig) for pid in hooks.paused().values()), f"{sig.name} taken")
+        hooks.go()
+        proc.wait(expect=None)
+        log = proc.output()
+    finally:
+        proc.kill()
+    assert_exit(proc.result(), code)
+    agreed_stop(log, sig)
+    noise = [line for line in log.splitlines() if re.search(r"Traceback|Error|resource_tracker|leak", line)]
+    assert noise == [], log[-3000:]
+    assert [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")] == [], "left in TMPDIR"  # (torch's cache)
+
 @pytest.mark.full
 @pytest.mark.floor
 def test_plain_python_in_an_sbatch_script_is_one_process(slurm, tmp_path):

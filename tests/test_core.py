@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest import assert_exit, checkpoint, max_diff, metrics, worker_exit_codes
-from processes import ROOT, TIMEOUT, run
+from processes import ROOT, TIMEOUT, alive, run
 
 SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process); ranks: by hand, env://
     "ddp_launch_train.py": "ranks",
@@ -61,7 +61,8 @@ class Points(Dataset):
 
     def __getitem__(self, i):
         if os.environ.get("MINE_WORKER_HANGS") and torch.utils.data.get_worker_info():
-            time.sleep(3600)  # the test's hook: a DataLoader worker that never answers
+            open(os.path.join(os.environ["MINE_WORKER_HANGS"], str(os.getpid())), "w").close()
+            time.sleep(3600)  # the test's hook: a DataLoader worker that never answers (its pid in that folder)
         return self.x[i], int(self.y[i])
 
 
@@ -137,6 +138,57 @@ class Net(nn.Module):
         return self.head(self.encoder(self.embed(tokens) + self.position).mean(1))
 '''
 
+
+# ---- a tokenizer's batches: each sample's input a dict of input_ids and attention_mask, with a tuple of two more
+# inputs inside (float64 features, as numpy gives them, and the length); the model takes the batch whole
+MINE_DICT = r'''
+"""My own data and model: dict inputs, as a tokenizer gives them, with a tuple nested inside."""
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+LENGTH, VOCAB = 12, 32
+
+
+class Tokenized(Dataset):
+    classes = ["zero", "one", "two"]
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.ids = torch.randint(3, VOCAB, (n, LENGTH), generator=g)
+        self.ids[torch.arange(n), torch.randint(0, LENGTH // 2, (n,), generator=g)] = self.y
+        self.lengths = torch.randint(LENGTH // 2, LENGTH + 1, (n,), generator=g)
+        self.features = torch.randn(n, 4, generator=g, dtype=torch.float64) + 2 * (torch.arange(4) == self.y[:, None])
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        mask = (torch.arange(LENGTH) < self.lengths[i]).long()
+        inputs = {"input_ids": self.ids[i] * mask, "attention_mask": mask,
+                  "extra": (self.features[i].numpy(), self.lengths[i])}
+        return inputs, int(self.y[i])
+
+
+def load_data(args):
+    return Tokenized(512, 1), Tokenized(97, 2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.features = nn.Linear(4, 32)
+        self.head = nn.Sequential(nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3))
+
+    def forward(self, batch):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        features, lengths = batch["extra"]
+        assert ids.dtype == torch.int64 and features.dtype != torch.float64, (ids.dtype, features.dtype)
+        pooled = (self.embed(ids) * mask[..., None]).sum(1) / lengths[:, None]
+        return self.head(pooled + self.features(features))
+'''
 
 def swap_calls(source, name, replacement):
     """`source` with every call `name(...)` (its parentheses balanced) replaced by `replacement`, and how many."""
@@ -354,7 +406,8 @@ def test_copied_alone_an_extra_not_copied_is_one_line_and_exit_2(script, tmp_pat
     assert not tracebacks(p), p.stderr[-4000:]
     p = launch(folder, script, "--dataset", "mnist", "--out-dir", tmp_path / "run")
     assert_exit(p, 2)
-    assert error_lines(p)[0].startswith("error: unrecognized arguments: --dataset mnist"), p.stderr
+    assert error_lines(p)[0].startswith("error: unrecognized arguments: --dataset mnist (a flag of "
+                                        "train_extras/datasets.py: copy it and its __init__.py)"), p.stderr
     help_text = launch(folder, script, "--help").stdout
     assert "--epochs" in help_text and "--dataset" not in help_text and "--tensorboard" not in help_text, help_text
     assert not (tmp_path / "run").exists()
@@ -374,9 +427,10 @@ def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one
         (folder / "train_extras").mkdir()
         for name in ("__init__.py", "hangs.py"):
             shutil.copy(os.path.join(ROOT, "train_extras", name), folder / "train_extras")
-    t = time.monotonic()
+    t, hung = time.monotonic(), tmp_path / "hung"
+    hung.mkdir()
     p = launch(folder, script, *flags(script, workers=2), "--step-timeout", 5, "--out-dir", out, how=how,
-               env={"MINE_WORKER_HANGS": "1"}, timeout=120)
+               env={"MINE_WORKER_HANGS": str(hung)}, timeout=120)
     if how == "torchrun":  # the rank whose wait runs out first exits 3; the other too, or stops on torchrun's SIGTERM
         codes = worker_exit_codes(p.stderr)
         assert p.returncode == 1 and 3 in codes.values() and set(codes.values()) <= {3, 143}, p.stderr[-3000:]
@@ -386,6 +440,11 @@ def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one
     assert 1 <= len(lines) <= PROCESSES[how] and not tracebacks(p), p.stderr[-3000:]
     assert all("DataLoader timed out after 5.0 seconds (--step-timeout)" in line for line in lines), p.stderr[-3000:]
     assert time.monotonic() - t < 60 and not (out / "last.pt").exists()
+    # the stuck workers ignore SIGTERM, as every worker does (a job's stop is the trainer's): the trainer kills them
+    pids = [int(f.name) for f in hung.iterdir()]
+    while any(alive(pid) for pid in pids) and time.monotonic() - t < 65:
+        time.sleep(0.1)
+    assert pids and not any(alive(pid) for pid in pids), f"DataLoader workers outlived their trainer: {pids}"
 
 
 # ---- 2. a Python without the Linux-only APIs
@@ -481,3 +540,30 @@ def test_a_transformer_over_int64_tokens_trains_through_a_copied_script_with_cha
     assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["val_count"] == 256, rows
     assert rows[-1]["val_acc"] > 0.6, rows  # chance is 1/3
     assert checkpoint(str(out))["model"]["embed.weight"].shape == (32, 32)
+
+
+
+# ---- 4. batches of any structure
+@pytest.mark.parametrize("script, more", [
+    ("ddp_launch_train.py", []),
+    pytest.param("dp_train.py", [], marks=pytest.mark.full),
+    pytest.param("ddp_amp_train.py", [], marks=pytest.mark.full),  # bf16 autocast
+    pytest.param("fsdp_train.py", ["--precision", "bf16"], marks=pytest.mark.full)])  # its inputs cast to bf16
+def test_a_tokenizers_dict_batches_train_through_a_copied_script_and_resume_bit_for_bit(script, more, tmp_path):
+    """A Dataset whose inputs are dicts with a tuple inside (mine.py's Tokenized), read by 2 DataLoader workers, with
+    --grad-accum 2 (the micro-batches split each tensor inside) and 97 validation samples (FSDP's rank 1 pads its
+    evaluation with a batch of one sample): it learns, and --max-steps 21 then --resume auto ends bit for bit where
+    the unbroken run does."""
+    folder, how = copy_alone(tmp_path / "project", script, MINE_DICT), SCRIPTS[script]
+    args = [*TINY, "--batch-size", 16 // PROCESSES[how], "--grad-accum", 2, "--workers", 2, *more]
+    unbroken, resumed = tmp_path / "unbroken", tmp_path / "resumed"
+    p = ok(launch(folder, script, *args, "--out-dir", unbroken, how=how))
+    assert not tracebacks(p), p.stderr[-3000:]
+    rows = metrics(unbroken)
+    assert [r["step"] for r in rows] == [STEPS_PER_EPOCH, STEPS] and rows[-1]["val_count"] == 97, rows
+    assert rows[-1]["val_acc"] > 0.6, rows  # chance is 1/3
+    ok(launch(folder, script, *args, "--out-dir", resumed, "--max-steps", 21, how=how))
+    p = ok(launch(folder, script, *args, "--out-dir", resumed, "--resume", "auto", how=how))
+    assert "resuming at step 21" in p.stdout, p.stdout[-3000:]
+    assert max_diff(checkpoint(str(resumed))["model"], checkpoint(str(unbroken))["model"]) == 0
+    assert max_diff(checkpoint(str(resumed))["optimizer"], checkpoint(str(unbroken))["optimizer"]) == 0

@@ -57,13 +57,15 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays_whole(tmp_pat
     assert sorted(os.listdir(out)) == ["last.pt", "metrics.jsonl"]
 
 
-def test_a_read_only_out_dir_is_one_line_at_the_first_save(tmp_path, mount):
+def test_a_read_only_out_dir_is_one_line_before_training(tmp_path, mount):
+    """Found before the data and the model are built (the data folder does not exist), not at the first save after
+    an epoch of training."""
     out = tmp_path / "ro"
     mount(out, "--bind")
     mount(out, "-o", "remount,bind,ro")
-    p = run("ddp_launch_train.py", *TINY, *batch(2), "--out-dir", out, launcher="ranks", nproc=2, check=False)
-    assert one_error_line(p, 2) == f"error: could not save {out / 'last.pt'}: Read-only file system. The previous " \
-        "checkpoint is whole"
+    p = run("ddp_launch_train.py", *TINY, *batch(2), "--dataset", "imagefolder", "--data-dir", tmp_path / "none",
+            "--out-dir", out, launcher="ranks", nproc=2, check=False)
+    assert one_error_line(p, 2) == f"error: --out-dir {out}: Read-only file system"
     assert os.listdir(out) == []
 
 

@@ -14,6 +14,7 @@ rank waits after optimizer step PAUSE until the test has sent its signal and the
 save waits half-written, or with its part written and its folder still ckpt-<step>.tmp, until the test has signalled or
 killed; steps are made slow. What a test checks is what a user sees: exit statuses, the one `stopped by` line, the
 files, and the optimizer steps each rank took (the hooks count them)."""
+import contextlib
 import json
 import os
 import re
@@ -26,8 +27,8 @@ import torch
 
 from conftest import PROOF, assert_exit, checkpoint, max_diff, metrics, per_process
 from hooks import Hooks
-from processes import (LAUNCHER_PICKS_PORT, Proc, Ranks, address_in_use, alive, children, run, signal_pending, torchrun,
-                       worker_env)
+from processes import (LAUNCHER_PICKS_PORT, Proc, Ranks, address_in_use, alive, children, descendants, run,
+                       signal_pending, start_ranks, torchrun, worker_env)
 
 # the proof runs' flags (conftest.PROOF: 16 steps an epoch at any number of processes), a checkpoint every 4 steps: an
 # uninterrupted run is the shared proof run of its process count (conftest.SHARED)
@@ -609,3 +610,111 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path):
     finally:
         proc.kill()
     assert position(load(out / "last.pt"), STEPS_PER_EPOCH) == 4 and temporary(out) == []
+
+
+# ---- a job's stop: the signal to every process of the job (scancel and a preemption, timeout, docker stop, systemd;
+# torchrun to each worker's group), the DataLoader workers reading files and their helper processes included. The
+# workers ignore it: their trainer saves at the step the ranks agree on, then ends them (common.deaf, end_workers)
+JOB = {  # launch: the command before the flags, the ranks (one process: rank 0)
+    "python": ([sys.executable, "ddp_launch_train.py"], [0]),
+    "torchrun": (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py"), [0, 1]),
+    "mp.spawn": ([sys.executable, "ddp_spawn_train.py", "--nprocs", "2"], [0, 1]),
+    "ranks": (None, [0, 1]),  # started by hand over env://
+}
+JOB_STEPS = {1: 18, 2: 9}  # 144 images at a batch of 8 per process: the steps of an epoch
+JOB_CODE = {**CODE, signal.SIGINT: 130}
+
+
+def job_flags(images, out):
+    return ["--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 2, "--batch-size", 8,
+            "--save-every", 4, "--epochs", 2, "--out-dir", out]
+
+
+@pytest.fixture(scope="module")
+def unbroken_job(images, tmp_path_factory):
+    """{processes: the final checkpoint of the uninterrupted run}."""
+    found = {}
+    for nproc in (1, 2):
+        out = tmp_path_factory.mktemp(f"unbroken{nproc}")
+        run("ddp_launch_train.py", *job_flags(images, out), launcher="ranks", nproc=nproc)
+        found[nproc] = checkpoint(out)
+    return found
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f"{pid}: {f.read().replace(chr(0), ' ')[:150]}"
+    except OSError:
+        return f"{pid}: gone"
+
+
+def start_job(launch, args, tmp_path, env):
+    """The job's processes that a scheduler knows of (one command, or each rank started by hand)."""
+    cmd, ranks = JOB[launch]
+    if cmd is None:
+        return start_ranks("ddp_launch_train.py", args, len(ranks), env=env, folder=tmp_path / "log").procs
+    return [Proc(cmd + [str(a) for a in args], tmp_path / "log", env=env, merge=True)]
+
+
+@pytest.mark.parametrize("launch, sig", [
+    ("torchrun", signal.SIGTERM),  # the everyday tier's: SLURM's scancel to a torchrun job, a preemption
+    pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.full),
+    pytest.param("python", signal.SIGTERM, marks=pytest.mark.full),
+    pytest.param("python", signal.SIGUSR1, marks=pytest.mark.full),
+    pytest.param("python", signal.SIGHUP, marks=pytest.mark.full),
+    pytest.param("mp.spawn", signal.SIGTERM, marks=pytest.mark.full),
+    pytest.param("ranks", signal.SIGTERM, marks=pytest.mark.full)], ids=lambda v: getattr(v, "name", v))
+def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_nothing(
+        launch, sig, images, unbroken_job, tmp_path, measured):
+    """The signal to every process of the job while every rank waits at step 6, each trainer reading an ImageFolder
+    with 2 DataLoader workers (started from train_extras/workers.py's fork server where the Python needs it): one
+    save at one agreed step, the signal's status from every rank, no other line on the terminal (no traceback, no
+    resource tracker's warning), no process left a few seconds after, nothing left in TMPDIR; resumed, the run
+    ends bit for bit where the unbroken one does. SIGUSR1 kills torchrun itself (it does not handle it); its
+    workers, which got it too, save."""
+    ranks = JOB[launch][1]
+    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), tmp_path / "tmp"
+    tmp.mkdir()
+    procs = start_job(launch, job_flags(images, out), tmp_path, {**hooks.env, "TMPDIR": str(tmp)})
+    job = []
+    try:
+        procs[0].until(lambda: sorted(hooks.paused()) == ranks, f"ranks {ranks} waiting at step {PAUSE}")
+        job = [pid for p in procs for pid in [p.pid, *descendants(p.pid)]]
+        assert len(job) >= 3 * len(ranks), job  # each trainer and its 2 workers at least
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):  # gone meanwhile (the launcher's signal came first)
+                os.kill(pid, sig)
+        procs[0].until(lambda: all(hooks.handled(pid, sig) for pid in hooks.paused().values()), f"{sig.name} taken")
+        hooks.go()
+        went_on = time.monotonic()
+        while any(alive(pid) for pid in job):  # the launcher may end first (torchrun, killed by SIGUSR1)
+            assert time.monotonic() < went_on + SECONDS, [cmdline(pid) for pid in job if alive(pid)]
+            time.sleep(0.05)
+        measured(f"{sig.name} to every process under {launch}: seconds from going on to the last exit",
+                 time.monotonic() - went_on, SECONDS)
+        for p in procs:
+            p.wait(expect=None)
+    finally:
+        for p in procs:
+            p.kill()
+    log = "\n".join(p.output() for p in procs)
+    assert hooks.exits() == {r: JOB_CODE[sig] for r in ranks}, log[-3000:]
+    # the job's status (docs/failures.md): torchrun's own, 1 after the SIGTERM it handles, killed by the SIGUSR1 it
+    # does not handle; the spawn parent's and a lone process's, the signal's
+    launcher = {"torchrun": {signal.SIGTERM: 1, signal.SIGUSR1: -signal.SIGUSR1}.get(sig)}.get(launch, JOB_CODE[sig])
+    assert [p.returncode for p in procs[:1]] == [launcher], log[-3000:]
+    step = agreed_stop(log, sig, hooks, out, JOB_STEPS[len(ranks)], PAUSE, NEXT_SAVE)
+    if launch == "torchrun":  # torchrun's own report of the signal it got (not the scripts'): its traceback
+        log = re.sub(r"Traceback \(most recent call last\):\n(?:[ ^].*\n)*.*SignalException: Process "
+                     rf"{procs[0].pid} got signal: {sig.value}\n", "", log)
+    noise = [line for line in log.splitlines() if re.search(r"Traceback|Error|resource_tracker|leak", line)]
+    assert noise == [], log[-3000:]
+    # (torch's own, which it keeps: inductor's cache, made as torch.distributed.checkpoint is imported; torchrun's log
+    # folder)
+    assert [n for n in os.listdir(tmp) if not n.startswith(("torchinductor_", "torchelastic_"))] == [], "in TMPDIR"
+    resumed = run("ddp_launch_train.py", *job_flags(images, out), "--resume", "auto", launcher="ranks",
+                  nproc=len(ranks)).stdout
+    assert f"resuming at step {step}" in resumed
+    assert max_diff(checkpoint(out)["model"], unbroken_job[len(ranks)]["model"]) == 0
+    assert max_diff(checkpoint(out)["optimizer"], unbroken_job[len(ranks)]["optimizer"]) == 0

@@ -154,7 +154,11 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64, steps_per_epoch=8,
              train_set=range(512))
     assert common.find_checkpoint(run) is None
-    assert capsys.readouterr().out == f"--resume auto: no last.pt in {out}, starting afresh\n"
+    assert capsys.readouterr().out == f"--resume auto: no checkpoint in {out}, starting afresh\n"
+    (tmp_path / "data").mkdir()  # a typo, the data folder: no checkpoint, and no sharded one either
+    run.args = defaults(resume=str(tmp_path / "data"))
+    with pytest.raises(common.UsageError, match=f"--resume {tmp_path / 'data'}: a folder that holds no checkpoint"):
+        common.find_checkpoint(run)
     (tmp_path / "old").mkdir()
     torch.save({"model": model.state_dict(), "optimizer": {}, "args": {"optimizer": "sgd"}, "global_batch": 64},
                tmp_path / "old" / "last.pt")
@@ -301,3 +305,26 @@ def test_a_corrupt_image_is_named_by_the_rank_that_reads_it(tmp_path):
     # stopped by torchrun), whatever status that gives it
     root_cause = worker_exit_codes(p.stderr.split("Root Cause")[-1])
     assert p.returncode == 1 and list(root_cause.values()) == [2], (root_cause, p.stderr)
+
+
+# ---- refused before anything is built: what a run into a used or unwritable --out-dir, or more samples than the data
+# has, would otherwise find out only after building the data and the model, or training
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", pytest.param("dp_train.py", marks=pytest.mark.full)])
+def test_a_fresh_run_into_a_used_out_dir_is_refused_before_the_data_is_read(script, tmp_path):
+    """The data folder does not exist: the refusal names the earlier run, so it came first."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "last.pt").write_bytes(b"an earlier run's")
+    p = run(script, "--dataset", "imagefolder", "--data-dir", tmp_path / "none", "--out-dir", out, check=False)
+    assert_exit(p, 2)
+    assert p.stderr.strip().splitlines() == [f"error: {out} holds the last.pt of an earlier run: --resume auto "
+                                             "continues it, --overwrite replaces it, or give another --out-dir"]
+
+
+def test_more_samples_than_the_data_has_is_one_line(tmp_path):
+    from test_scripts import write_imagefolder
+    write_imagefolder(tmp_path / "images", per_class_train=12)  # 36 training images
+    p = run("ddp_launch_train.py", "--dataset", "imagefolder", "--data-dir", tmp_path / "images", "--train-size", 5000,
+            "--out-dir", tmp_path / "run", check=False)
+    assert_exit(p, 2)
+    assert p.stderr.strip().splitlines() == ["error: --train-size 5000: the data has 36 samples"]

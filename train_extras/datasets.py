@@ -95,10 +95,12 @@ def synthetic_sets(args):
     return sets
 
 
-def random_subset(n_all, n, seed):
+def random_subset(n_all, n, seed, flag):
     """Indices of n of n_all samples (all without n), drawn with `seed`: the same on every rank and
-    every run."""
-    if n is None or n >= n_all:
+    every run. More than there are: one line, not n_all without a word."""
+    if n is not None and n > n_all:
+        raise common.UsageError(f"{flag} {n}: the data has {n_all} samples")
+    if n is None or n == n_all:
         return list(range(n_all))
     return torch.randperm(n_all, generator=torch.Generator().manual_seed(seed))[:n] \
         .sort().values.tolist()
@@ -143,7 +145,8 @@ def in_memory(args, train, weights, download):
         raise common.UsageError(f"{d} is not in {args.data_dir} and could not be downloaded "
                                 f"({type(e).__name__}): put its files in {where}, or use "
                                 "--dataset synthetic, which needs no download") from None
-    keep = random_subset(len(ds.targets), args.train_size if train else args.val_size, args.seed)
+    flag, n = ("--train-size", args.train_size) if train else ("--val-size", args.val_size)
+    keep = random_subset(len(ds.targets), n, args.seed, flag)
     x = torch.as_tensor(ds.data[keep]).float().div(255)  # the subset first: less to convert
     x = x[:, None] if x.ndim == 3 else x.permute(0, 3, 1, 2)  # MNIST: N,H,W; CIFAR-10: N,H,W,C
     mean, std = STATS[d]
@@ -306,7 +309,8 @@ def image_folder(args, weights, download):
         except OSError as e:  # no such folder, no class folders, a class without images
             raise common.UsageError(
                 f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
-        ds.samples = [ds.samples[i] for i in random_subset(len(ds.samples), n, args.seed)]
+        keep = random_subset(len(ds.samples), n, args.seed, f"--{split}-size")
+        ds.samples = [ds.samples[i] for i in keep]
         sets.append(ds)
     # label 3 would mean one class in training and another in validation
     if sets[0].classes != sets[1].classes:

@@ -16,8 +16,11 @@ about 0.1 s forked (benchmarks/files.py); and each worker runs the script's top 
 import inspect
 import multiprocessing
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import threading
 
 import common
@@ -40,7 +43,22 @@ def start(ds):
                 for v in [ds, *own, *main]}
     context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str)
                                           and not m.startswith("_")))
+    from multiprocessing import forkserver
+    deaf_helpers(forkserver.ensure_running)  # where fork_server made none: a fresh interpreter
     return dict(multiprocessing_context=context, worker_init_fn=leave_server)
+
+
+def deaf_helpers(start):
+    """start() with the stop signals blocked in this thread: the helper processes it starts (the
+    fork server, multiprocessing's resource tracker) inherit the mask, across exec too, and never
+    act on them. A job's stop signal reaches every process: the trainer saves, while a helper killed
+    by it would take the workers with it, or print tracebacks. Blocked, not ignored: one that comes
+    meanwhile still reaches the trainer."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, common.STOP_SIGNALS)
+    try:
+        start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def fork_server(args):
@@ -54,19 +72,26 @@ def fork_server(args):
         return
     if hasattr(args, "dataset"):
         import torchvision.transforms.v2  # noqa: F401
-    from multiprocessing import connection, forkserver, resource_tracker, util
-    resource_tracker.ensure_running()  # as forkserver.ensure_running does: the workers share it
-    listener, address = socket.socket(socket.AF_UNIX), connection.arbitrary_address("AF_UNIX")
+    from multiprocessing import forkserver, resource_tracker
+    deaf_helpers(resource_tracker.ensure_running)  # as forkserver's own start: the workers share it
+    # its socket in a folder of its own, which the server removes as it ends (the scripts end by
+    # os._exit: multiprocessing's own pymp-* folder would stay in TMPDIR, one each run)
+    folder = tempfile.mkdtemp(prefix="workers-")
+    if len(folder) > 90:  # a socket's path ends at 107 bytes: a deep TMPDIR gets "path too long"
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="workers-", dir="/tmp")
+    listener, address = socket.socket(socket.AF_UNIX), os.path.join(folder, "server")
     listener.bind(address)
-    if not util.is_abstract_socket_namespace(address):
-        os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()  # it ends when this process does (its end of alive_w closes)
     if (pid := os.fork()) == 0:
         os.close(alive_w)
+        for sig in common.STOP_SIGNALS:  # the trainer's to act on; its workers inherit it
+            signal.signal(sig, signal.SIG_IGN)
         try:
             forkserver.main(listener.fileno(), alive_r, [])
         finally:
+            shutil.rmtree(folder, ignore_errors=True)
             os._exit(0)
     os.close(alive_r)
     listener.close()
