@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,6 +218,16 @@ def shared(tmp_path_factory):
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
     folder.mkdir(exist_ok=True)
     return Shared(folder)
+
+
+@pytest.fixture
+def short_tmp():
+    """A short folder of its own under /tmp, for a TMPDIR: multiprocessing puts its sockets in folders of its own
+    there, and a socket's path ends at 107 bytes (a DataLoader worker sending a batch from under a deep TMPDIR fails
+    with "AF_UNIX path too long"); removed after the test."""
+    folder = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -396,13 +396,12 @@ def images(tmp_path_factory):
 @pytest.mark.full
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 0)], ids=["SIGTERM", "SIGUSR1"])
 def test_scancel_to_tasks_reading_files_with_dataloader_workers_saves_and_says_nothing_else(slurm, sig, code, images,
-                                                                                           tmp_path):
+                                                                                           short_tmp, tmp_path):
     """`scancel <job>` (SIGTERM) and `scancel --signal=USR1 <job>` (what slurm_example.sbatch passes on) signal every
     process of the step: the tasks, their DataLoader workers (2 each, reading an ImageFolder) and the workers'
     helper processes. The tasks save at one agreed step and exit with the signal's status; the output holds the
     `stopped` line and no traceback or warning; nothing is left in TMPDIR."""
-    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), tmp_path / "tmp"
-    tmp.mkdir()
+    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), short_tmp
     args = ["ddp_launch_train.py", "--dataset", "imagefolder", "--data-dir", str(images), "--image-size", "16",
             "--workers", "2", "--batch-size", "8", "--save-every", "4", "--epochs", "1", "--out-dir", str(out)]
     hooks.env["TMPDIR"] = str(tmp)  # srun passes its environment on to the tasks

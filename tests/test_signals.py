@@ -615,30 +615,35 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path):
 # ---- a job's stop: the signal to every process of the job (scancel and a preemption, timeout, docker stop, systemd;
 # torchrun to each worker's group), the DataLoader workers reading files and their helper processes included. The
 # workers ignore it: their trainer saves at the step the ranks agree on, then ends them (common.deaf, end_workers)
-JOB = {  # launch: the command before the flags, the ranks (one process: rank 0)
-    "python": ([sys.executable, "ddp_launch_train.py"], [0]),
-    "torchrun": (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py"), [0, 1]),
-    "mp.spawn": ([sys.executable, "ddp_spawn_train.py", "--nprocs", "2"], [0, 1]),
+JOB = {  # launch: the command before the script, the ranks (one process: rank 0)
+    "python": ([sys.executable], [0]),
+    "torchrun": (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT), [0, 1]),
+    "mp.spawn": ([sys.executable], [0, 1]),  # ddp_spawn_train.py --nprocs 2
     "ranks": (None, [0, 1]),  # started by hand over env://
 }
 JOB_STEPS = {1: 18, 2: 9}  # 144 images at a batch of 8 per process: the steps of an epoch
 JOB_CODE = {**CODE, signal.SIGINT: 130}
 
 
-def job_flags(images, out):
+def job_flags(images, out, *more):
     return ["--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 2, "--batch-size", 8,
-            "--save-every", 4, "--epochs", 2, "--out-dir", out]
+            "--save-every", 4, "--epochs", 2, "--out-dir", out, *more]
 
 
 @pytest.fixture(scope="module")
 def unbroken_job(images, tmp_path_factory):
-    """{processes: the final checkpoint of the uninterrupted run}."""
-    found = {}
-    for nproc in (1, 2):
-        out = tmp_path_factory.mktemp(f"unbroken{nproc}")
-        run("ddp_launch_train.py", *job_flags(images, out), launcher="ranks", nproc=nproc)
-        found[nproc] = checkpoint(out)
-    return found
+    """get(script, processes): the final checkpoint of the uninterrupted run (every DDP script trains alike)."""
+    made = {}
+
+    def get(script, nproc):
+        key = (script if script in ("fsdp_train.py", "dp_train.py") else "ddp_launch_train.py", nproc)
+        if key not in made:
+            out = tmp_path_factory.mktemp("unbroken")
+            launcher = "python" if key[0] == "dp_train.py" else "ranks"
+            run(key[0], *job_flags(images, out), launcher=launcher, nproc=None if launcher == "python" else nproc)
+            made[key] = checkpoint(out)
+        return made[key]
+    return get
 
 
 def cmdline(pid):
@@ -649,49 +654,71 @@ def cmdline(pid):
         return f"{pid}: gone"
 
 
-def start_job(launch, args, tmp_path, env):
+def start_job(launch, script, args, tmp_path, env):
     """The job's processes that a scheduler knows of (one command, or each rank started by hand)."""
     cmd, ranks = JOB[launch]
     if cmd is None:
-        return start_ranks("ddp_launch_train.py", args, len(ranks), env=env, folder=tmp_path / "log").procs
-    return [Proc(cmd + [str(a) for a in args], tmp_path / "log", env=env, merge=True)]
+        return start_ranks(script, args, len(ranks), env=env, folder=tmp_path / "log").procs
+    nprocs = ["--nprocs", "2"] if launch == "mp.spawn" else []
+    return [Proc(cmd + [script, *nprocs] + [str(a) for a in args], tmp_path / "log", env=env, merge=True)]
 
 
-@pytest.mark.parametrize("launch, sig", [
-    ("torchrun", signal.SIGTERM),  # the everyday tier's: SLURM's scancel to a torchrun job, a preemption
-    pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.full),
-    pytest.param("python", signal.SIGTERM, marks=pytest.mark.full),
-    pytest.param("python", signal.SIGUSR1, marks=pytest.mark.full),
-    pytest.param("python", signal.SIGHUP, marks=pytest.mark.full),
-    pytest.param("mp.spawn", signal.SIGTERM, marks=pytest.mark.full),
-    pytest.param("ranks", signal.SIGTERM, marks=pytest.mark.full)], ids=lambda v: getattr(v, "name", v))
+def final_checkpoint(out, tmp_path):
+    """last.pt, or the highest complete ckpt-<step> folder (--ckpt-format dcp) made one file."""
+    if not (out / "last.pt").exists():
+        from train_extras.sharded import to_file
+        to_file(str(out / f"ckpt-{complete_sharded(out)[-1]}"), str(tmp_path / "final.pt"))
+        return load(tmp_path / "final.pt")
+    return checkpoint(out)
+
+
+JOB_CASES = [  # launch, signal, script, more flags, to: "job" (every process), "twice" (0.1 s apart), "rank 1"
+    ("torchrun", signal.SIGTERM, "ddp_launch_train.py", [], "job"),  # the everyday tier's: scancel of a torchrun
+    pytest.param("torchrun", signal.SIGUSR1, "ddp_launch_train.py", [], "job", marks=pytest.mark.full),
+    pytest.param("python", signal.SIGTERM, "ddp_launch_train.py", [], "job", marks=pytest.mark.full),
+    pytest.param("python", signal.SIGUSR1, "dp_train.py", [], "job", marks=pytest.mark.full),
+    pytest.param("python", signal.SIGHUP, "ddp_launch_train.py", [], "job", marks=pytest.mark.full),
+    pytest.param("python", signal.SIGTERM, "ddp_launch_train.py", [], "twice", marks=pytest.mark.full),
+    pytest.param("mp.spawn", signal.SIGTERM, "ddp_spawn_train.py", [], "job", marks=pytest.mark.full),
+    pytest.param("ranks", signal.SIGTERM, "ddp_amp_train.py", ["--precision", "fp32"], "job", marks=pytest.mark.full),
+    pytest.param("ranks", signal.SIGUSR1, "ddp_launch_train.py", [], "rank 1", marks=pytest.mark.full),
+    pytest.param("torchrun", signal.SIGTERM, "fsdp_train.py", [], "job", marks=pytest.mark.full),
+    pytest.param("torchrun", signal.SIGTERM, "fsdp_train.py", ["--ckpt-format", "dcp"], "job",
+                 marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("launch, sig, script, more, to", JOB_CASES,
+                         ids=lambda v: getattr(v, "name", None) or (" ".join(v) if isinstance(v, list) else v))
 def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_nothing(
-        launch, sig, images, unbroken_job, tmp_path, measured):
-    """The signal to every process of the job while every rank waits at step 6, each trainer reading an ImageFolder
-    with 2 DataLoader workers (started from train_extras/workers.py's fork server where the Python needs it): one
-    save at one agreed step, the signal's status from every rank, no other line on the terminal (no traceback, no
-    resource tracker's warning), no process left a few seconds after, nothing left in TMPDIR; resumed, the run
-    ends bit for bit where the unbroken one does. SIGUSR1 kills torchrun itself (it does not handle it); its
-    workers, which got it too, save."""
+        launch, sig, script, more, to, images, unbroken_job, short_tmp, tmp_path, measured):
+    """The signal to every process of the job (or, twice 0.1 s apart; or to rank 1 and its workers only) while every
+    rank waits at step 6, each trainer reading an ImageFolder with 2 DataLoader workers (started from
+    train_extras/workers.py's fork server where the Python needs it): one save at one agreed step, the signal's
+    status from every rank, no other line on the terminal (no traceback, no resource tracker's warning), no process
+    left a few seconds after, nothing left in TMPDIR; resumed, the run ends bit for bit where the unbroken one does.
+    SIGUSR1 kills torchrun itself (it does not handle it); its workers, which got it too, save."""
     ranks = JOB[launch][1]
-    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), tmp_path / "tmp"
-    tmp.mkdir()
-    procs = start_job(launch, job_flags(images, out), tmp_path, {**hooks.env, "TMPDIR": str(tmp)})
+    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), short_tmp
+    procs = start_job(launch, script, job_flags(images, out, *more), tmp_path, {**hooks.env, "TMPDIR": str(tmp)})
     job = []
     try:
         procs[0].until(lambda: sorted(hooks.paused()) == ranks, f"ranks {ranks} waiting at step {PAUSE}")
         job = [pid for p in procs for pid in [p.pid, *descendants(p.pid)]]
         assert len(job) >= 3 * len(ranks), job  # each trainer and its 2 workers at least
-        for pid in job:
-            with contextlib.suppress(ProcessLookupError):  # gone meanwhile (the launcher's signal came first)
-                os.kill(pid, sig)
-        procs[0].until(lambda: all(hooks.handled(pid, sig) for pid in hooks.paused().values()), f"{sig.name} taken")
+        meant = [hooks.paused()[1], *descendants(hooks.paused()[1])] if to == "rank 1" else job
+        for _ in range(2 if to == "twice" else 1):
+            for pid in meant:
+                with contextlib.suppress(ProcessLookupError):  # gone meanwhile (the launcher's signal came first)
+                    os.kill(pid, sig)
+            time.sleep(0.1)
+        taken = [hooks.paused()[1]] if to == "rank 1" else hooks.paused().values()
+        procs[0].until(lambda: all(hooks.handled(pid, sig) for pid in taken), f"{sig.name} taken")
         hooks.go()
         went_on = time.monotonic()
         while any(alive(pid) for pid in job):  # the launcher may end first (torchrun, killed by SIGUSR1)
             assert time.monotonic() < went_on + SECONDS, [cmdline(pid) for pid in job if alive(pid)]
             time.sleep(0.05)
-        measured(f"{sig.name} to every process under {launch}: seconds from going on to the last exit",
+        measured(f"{sig.name} to {to} under {launch}: seconds from going on to the last exit",
                  time.monotonic() - went_on, SECONDS)
         for p in procs:
             p.wait(expect=None)
@@ -704,7 +731,10 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
     # does not handle; the spawn parent's and a lone process's, the signal's
     launcher = {"torchrun": {signal.SIGTERM: 1, signal.SIGUSR1: -signal.SIGUSR1}.get(sig)}.get(launch, JOB_CODE[sig])
     assert [p.returncode for p in procs[:1]] == [launcher], log[-3000:]
-    step = agreed_stop(log, sig, hooks, out, JOB_STEPS[len(ranks)], PAUSE, NEXT_SAVE)
+    steps = stopped(log, sig)
+    assert len(steps) == 1 and PAUSE < steps[0] <= NEXT_SAVE, log[-3000:]
+    assert set(hooks.steps().values()) == {steps[0]}, hooks.steps()  # every rank stopped there, and saved there:
+    assert position(final_checkpoint(out, tmp_path), JOB_STEPS[len(ranks)]) == steps[0]
     if launch == "torchrun":  # torchrun's own report of the signal it got (not the scripts'): its traceback
         log = re.sub(r"Traceback \(most recent call last\):\n(?:[ ^].*\n)*.*SignalException: Process "
                      rf"{procs[0].pid} got signal: {sig.value}\n", "", log)
@@ -713,8 +743,9 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
     # (torch's own, which it keeps: inductor's cache, made as torch.distributed.checkpoint is imported; torchrun's log
     # folder)
     assert [n for n in os.listdir(tmp) if not n.startswith(("torchinductor_", "torchelastic_"))] == [], "in TMPDIR"
-    resumed = run("ddp_launch_train.py", *job_flags(images, out), "--resume", "auto", launcher="ranks",
-                  nproc=len(ranks)).stdout
-    assert f"resuming at step {step}" in resumed
-    assert max_diff(checkpoint(out)["model"], unbroken_job[len(ranks)]["model"]) == 0
-    assert max_diff(checkpoint(out)["optimizer"], unbroken_job[len(ranks)]["optimizer"]) == 0
+    launcher, nproc = {"python": ("python", None), "mp.spawn": ("python", 2)}.get(launch, ("ranks", len(ranks)))
+    resumed = run(script, *job_flags(images, out, *more), "--resume", "auto", launcher=launcher, nproc=nproc).stdout
+    assert f"resuming at step {steps[0]}" in resumed
+    final, straight = final_checkpoint(out, tmp_path), unbroken_job(script, len(ranks))
+    assert max_diff(final["model"], straight["model"]) == 0
+    assert max_diff(final["optimizer"], straight["optimizer"]) == 0
