@@ -46,7 +46,8 @@ def previous_run(tmp_path_factory):
 BAD = {  # name: (arguments, words the one error line must contain)
     "imagefolder_missing": (["--dataset", "imagefolder", "--data-dir", "{d}/nowhere"], "imagefolder"),
     "imagefolder_empty": (["--dataset", "imagefolder", "--data-dir", "{d}/empty"], "imagefolder"),
-    "imagefolder_classes": (["--dataset", "imagefolder", "--data-dir", "{d}/mismatch"], "different classes"),
+    "imagefolder_classes": (["--dataset", "imagefolder", "--data-dir", "{d}/mismatch", "--train-size", 2,
+                             "--val-size", 2], "different classes"),  # (2 images in each split)
     "unknown_model": (["--model", "resnet9000"], "unknown --model"),
     "unknown_dataset": (["--dataset", "imagenet22k"], "argument --dataset: invalid choice"),
     "truncated_resume": (["--resume", "{d}/truncated.pt"], "not a readable checkpoint"),
@@ -98,7 +99,9 @@ def test_bad_input(previous_run, name):
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     launch = dict(launcher="ranks", nproc=2) if name in TWO_PROCESSES else {}
     offline = {"TORCH_HOME": str(previous_run / "torch_home"), "https_proxy": "http://127.0.0.1:9"}
-    p = run("ddp_launch_train.py", *TINY, "--out-dir", out, *args, check=False, env=offline, **launch)
+    # into the previous run's --out-dir, with --overwrite (else that run would be the one line): the bad input is
+    # found before that run's files are replaced
+    p = run("ddp_launch_train.py", *TINY, "--out-dir", out, "--overwrite", *args, check=False, env=offline, **launch)
     assert words.format(d=previous_run) in one_error_line(p, 2)  # from both ranks
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing overwritten, nothing added
 
