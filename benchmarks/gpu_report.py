@@ -30,8 +30,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 
@@ -87,12 +89,15 @@ def part_tests(a, m):
     every test's outcome, time and recorded numbers from their JUnit XML."""
     env = {**os.environ, "GPU_TESTS_DEVICE": "cpu" if a.dry_run else "cuda"}
     jobs, procs, t0 = [FIRST_JOB, f"not ({FIRST_JOB})"] if a.jobs == 2 else [None], [], time.time()
+    # pytest's temporary folders, where the tests' processes get their TMPDIR, short: multiprocessing puts its
+    # sockets there, whose paths end at 107 bytes (under a deep --out, DataLoader workers fail to hand over batches)
+    short = tempfile.mkdtemp(prefix="gpu-tests-", dir="/tmp" if os.path.isdir("/tmp") else None)
     for i, k in enumerate(jobs):
         if os.path.exists(f"{a.out}/tests-{i}.xml"):  # an earlier run's: never read as this one's
             os.remove(f"{a.out}/tests-{i}.xml")
         cmd = [sys.executable, "-m", "pytest", "--full", "-n", "0", "tests/test_gpu.py", "-v", "-rfEs", "-p",
                "no:cacheprovider",
-               f"--junitxml={a.out}/tests-{i}.xml", "-o", "junit_family=xunit1", f"--basetemp={a.out}/tmp-{i}"]
+               f"--junitxml={a.out}/tests-{i}.xml", "-o", "junit_family=xunit1", f"--basetemp={short}/{i}"]
         cmd += ["-k", k] if k else []
         log = open(os.path.join(a.out, f"tests-{i}.log"), "w")
         print(f"pytest {' '.join(cmd[3:])}  > {log.name}", flush=True)
@@ -108,6 +113,7 @@ def part_tests(a, m):
         with open(log.name) as f:
             print(f"\n--- {log.name} (its end):\n" + "".join(f.readlines()[-25:]), end="")
     elapsed = time.time() - t0
+    shutil.rmtree(short, ignore_errors=True)
     tests = [t for i in range(len(jobs)) if os.path.exists(f"{a.out}/tests-{i}.xml")
              for t in read_junit(f"{a.out}/tests-{i}.xml")]
     ok = codes == [0] * len(jobs)

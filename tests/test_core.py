@@ -89,6 +89,8 @@ class Net(nn.Module):
                     out = out * float("nan")
                 if self.calls == int(os.environ.get("MINE_SIGTERM_AT", "0")):
                     os.kill(os.getpid(), signal.SIGTERM)
+                if self.calls == int(os.environ.get("MINE_GROUP_SIGTERM_AT", "0")):  # as `timeout` and a
+                    os.killpg(os.getpgid(0), signal.SIGTERM)  # terminal do: its DataLoader workers too
         return out
 '''
 
@@ -386,6 +388,27 @@ def test_copied_alone_sigterm_to_one_rank_saves_at_an_agreed_step_exits_143_and_
     assert position(checkpoint(str(out))) == steps[0]  # saved there, after the signal
     p = ok(launch(folder, script, *flags(script), "--out-dir", out, "--resume", "auto", how=how))
     assert f"resuming at step {steps[0]}" in p.stdout, p.stdout[-3000:]
+    resumed, reference = checkpoint(str(out)), checkpoint(str(unbroken(script)[1]))
+    assert max_diff(resumed["model"], reference["model"]) == 0
+    assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py"])
+def test_copied_alone_sigterm_to_a_ranks_process_group_with_forked_workers_saves_and_the_resume_is_exact(
+        script, mine_copy, unbroken, tmp_path):
+    """SIGTERM to the process group of the last rank (its DataLoader workers, forked as torch starts them where
+    train_extras/workers.py is not copied, included) in its 7th training step: the workers ignore it, every rank
+    saves at one agreed step, exits 143 without a traceback, and the resume ends where the unbroken run does."""
+    folder, how, out = mine_copy(script), SCRIPTS[script], tmp_path / "run"
+    p = launch(folder, script, *flags(script, WORKERS[script]), "--out-dir", out, how=how,
+               env={"MINE_GROUP_SIGTERM_AT": "7", "MINE_RANK": str(PROCESSES[how] - 1)})
+    assert_exit(p, 143)
+    output = p.stdout + p.stderr
+    steps = [int(s) for s in re.findall(r"stopped by SIGTERM at step (\d+)", output)]
+    assert len(steps) == 1 and 7 <= steps[0] < STEPS and not tracebacks(p), output[-4000:]
+    assert position(checkpoint(str(out))) == steps[0]
+    ok(launch(folder, script, *flags(script, WORKERS[script]), "--out-dir", out, "--resume", "auto", how=how))
     resumed, reference = checkpoint(str(out)), checkpoint(str(unbroken(script)[1]))
     assert max_diff(resumed["model"], reference["model"]) == 0
     assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
