@@ -14,7 +14,7 @@ from processes import ROOT, command
 # replaces another's checkpoints (--overwrite replaces all of it), a resume on other data is refused, the epoch's
 # save comes before its evaluation (a stop then loses no training, the resume evaluates first), a repeated SIGTERM
 # never cancels the save, Ctrl-C stops as SIGTERM does. Raised again, from 680 lines / 35,000 bytes and 52,500 /
-# 59,500, for "Stopped the way clusters stop jobs": a stop signal to every process of a job, DataLoader workers
+# 59,500, for these: a stop signal to every process of a job, DataLoader workers
 # included, saves (the workers ignore it, their trainer ends them on every way out: deaf, end_workers); batches of
 # any structure (nested, input_on, micro_batches); a used or read-only --out-dir refused before anything is built
 # (check_out_dir); the flag of an extra not copied named with its file (EXTRA_FLAGS)
