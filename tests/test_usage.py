@@ -328,3 +328,14 @@ def test_more_samples_than_the_data_has_is_one_line(tmp_path):
             "--out-dir", tmp_path / "run", check=False)
     assert_exit(p, 2)
     assert p.stderr.strip().splitlines() == ["error: --train-size 5000: the data has 36 samples"]
+
+
+def test_the_extras_flags_common_names_are_the_ones_each_extra_declares():
+    """common.EXTRA_FLAGS (the file a flag of an extra not copied comes from) is a list kept by hand: it must name
+    exactly the flags each train_extras module adds."""
+    import importlib
+    for name, flags in common.EXTRA_FLAGS.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"train_extras.{name}").add_flags(parser)
+        declared = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        assert declared == set(flags), (name, declared ^ set(flags))
