@@ -556,14 +556,6 @@ def test_repeated_sigterms_never_cancel_the_agreed_save_and_the_resume_ends_exac
 
 
 # ---- Ctrl-C: the terminal signals every process of its group, DataLoader workers included
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    from test_scripts import write_imagefolder
-    root = tmp_path_factory.mktemp("images")
-    write_imagefolder(root, per_class_train=48)  # 144 images: 18 steps of 8 in one process, 9 in two
-    return root
-
-
 @pytest.mark.full
 @pytest.mark.parametrize("launch", ["python", "mp.spawn", "torchrun"])
 def test_ctrl_c_to_the_whole_group_stops_at_one_step_with_a_save(launch, images, tmp_path, measured):
