@@ -293,10 +293,12 @@ def end_workers():
 
 
 def nested(fn, x):
-    """fn applied to every tensor of x: a tensor, or a dict, list or tuple of them, nested (the
-    inputs a tokenizer or a multi-input model takes)."""
+    """fn applied to every tensor of x: a tensor, or a dict, list or (named) tuple of them, nested
+    (the inputs a tokenizer or a multi-input model takes)."""
     if isinstance(x, dict):
         return {k: nested(fn, v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple: its fields by position
+        return type(x)(*[nested(fn, v) for v in x])
     if isinstance(x, (list, tuple)):
         return type(x)([nested(fn, v) for v in x])
     if isinstance(x, torch.Tensor):

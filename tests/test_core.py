@@ -102,6 +102,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 LENGTH, VOCAB = 12, 32
+Extra = collections.namedtuple("Extra", "features length")
 
 
 class Tokens(Dataset):
@@ -142,14 +143,18 @@ class Net(nn.Module):
 
 
 # ---- a tokenizer's batches: each sample's input a dict of input_ids and attention_mask, with a tuple of two more
-# inputs inside (float64 features, as numpy gives them, and the length); the model takes the batch whole
+# inputs inside (a namedtuple of float64 features, as numpy gives them, and the length; then the mask's width); the
+# model takes the batch whole
 MINE_DICT = r'''
-"""My own data and model: dict inputs, as a tokenizer gives them, with a tuple nested inside."""
+"""My own data and model: dict inputs, as a tokenizer gives them, with tuples nested inside."""
+import collections
+
 import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
 LENGTH, VOCAB = 12, 32
+Extra = collections.namedtuple("Extra", "features length")
 
 
 class Tokenized(Dataset):
@@ -169,7 +174,7 @@ class Tokenized(Dataset):
     def __getitem__(self, i):
         mask = (torch.arange(LENGTH) < self.lengths[i]).long()
         inputs = {"input_ids": self.ids[i] * mask, "attention_mask": mask,
-                  "extra": (self.features[i].numpy(), self.lengths[i])}
+                  "extra": (Extra(self.features[i].numpy(), self.lengths[i]), LENGTH)}
         return inputs, int(self.y[i])
 
 
@@ -186,8 +191,10 @@ class Net(nn.Module):
 
     def forward(self, batch):
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        features, lengths = batch["extra"]
+        extra, width = batch["extra"]
+        features, lengths = extra.features, extra.length  # (a namedtuple, still)
         assert ids.dtype == torch.int64 and features.dtype != torch.float64, (ids.dtype, features.dtype)
+        assert mask.shape[1] == width[0], (mask.shape, width)
         pooled = (self.embed(ids) * mask[..., None]).sum(1) / lengths[:, None]
         return self.head(pooled + self.features(features))
 '''
