@@ -19,6 +19,7 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
     stalled-rank<r>        rank r's part of a sharded (DCP) save, from the TEST_STALL_DCP-th on, is written, but
                            write_data has not returned: the save is incomplete (ckpt-<step>.tmp) until
                            `go-dcp`, after which no save waits
+    evaluating-rank<r>     rank r evaluates (TEST_EVAL_S): a batch's loss is being summed
     hung-rank<r>           rank r stops answering after its optimizer step TEST_HANG_AT ("rank:step"): an hour's
                            sleep, which a signal's Python handler does not end (the file holds its pid)
     <pid>.json in TEST_SEE_DIR   what that process saw while it trained: the dtype each Conv2d and Linear returned,
@@ -58,6 +59,10 @@ class Hooks:
     def paused(self):
         """{rank: pid} of the ranks waiting at TEST_PAUSE_AT."""
         return {r: int(text) for r, text in self.ranks("paused").items()}
+
+    def evaluating(self):
+        """The ranks evaluating (TEST_EVAL_S): they summed a batch's loss."""
+        return sorted(self.ranks("evaluating"))
 
     def exits(self):
         """{rank: the status it asked sys.exit or os._exit for} (its own, unless a signal killed it first)."""

@@ -741,3 +741,43 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
     final, straight = final_checkpoint(out, tmp_path), unbroken_job(script, len(ranks))
     assert max_diff(final["model"], straight["model"]) == 0
     assert max_diff(final["optimizer"], straight["optimizer"]) == 0
+
+
+@pytest.mark.full
+def test_a_job_stop_during_an_evaluation_with_workers_ends_it_with_its_row_and_the_resume_ends_exactly(
+        images, unbroken_job, short_tmp, tmp_path, measured):
+    """SIGTERM to every process of a torchrun job (torchrun, both trainers, their evaluation's DataLoader workers)
+    while epoch 1 evaluates, each batch of it 2 s long: the evaluation ends, its row is written, each rank exits 143
+    at the epoch's last step, saved before the evaluation, within torchrun's grace period; nothing else is said,
+    nothing left; the resume evaluates no second time and ends bit for bit where the unbroken run does."""
+    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, eval_s=2), short_tmp
+    procs = start_job("torchrun", "ddp_launch_train.py", job_flags(images, out), tmp_path,
+                      {**hooks.env, "TMPDIR": str(tmp)})
+    try:
+        procs[0].until(lambda: hooks.evaluating() == [0, 1], "both ranks evaluating")
+        job = [procs[0].pid, *descendants(procs[0].pid)]
+        assert len(job) >= 7, [cmdline(pid) for pid in job]  # torchrun, 2 trainers, their evaluation's 2 workers each
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        procs[0].wait(expect=1)  # torchrun's status after the SIGTERM it handles (docs/failures.md)
+        measured("job SIGTERM during an evaluation: seconds to torchrun's exit", time.monotonic() - signalled, GRACE)
+        assert not [pid for pid in job if alive(pid)], [cmdline(pid) for pid in job if alive(pid)]
+    finally:
+        procs[0].kill()
+    log = procs[0].output()
+    assert hooks.exits() == {0: 143, 1: 143}, log[-3000:]
+    assert stopped(log, signal.SIGTERM) == [JOB_STEPS[2]], log[-3000:]
+    assert [r["step"] for r in metrics(out)] == [JOB_STEPS[2]], log[-3000:]  # the evaluation's row
+    log = re.sub(r"Traceback \(most recent call last\):\n(?:[ ^].*\n)*.*SignalException: Process "
+                 rf"{procs[0].pid} got signal: {signal.SIGTERM.value}\n", "", log)  # torchrun's own report
+    noise = [line for line in log.splitlines() if re.search(r"Traceback|Error|resource_tracker|leak", line)]
+    assert noise == [], log[-3000:]
+    assert [n for n in os.listdir(tmp) if not n.startswith(("torchinductor_", "torchelastic_"))] == [], "in TMPDIR"
+    resumed = run("ddp_launch_train.py", *job_flags(images, out), "--resume", "auto", launcher="ranks", nproc=2).stdout
+    assert re.search(rf"resuming at step {JOB_STEPS[2]}\nepoch 2 ", resumed), resumed
+    assert [r["step"] for r in metrics(out)] == [JOB_STEPS[2], 2 * JOB_STEPS[2]]
+    final, straight = checkpoint(out), unbroken_job("ddp_launch_train.py", 2)
+    assert max_diff(final["model"], straight["model"]) == 0
+    assert max_diff(final["optimizer"], straight["optimizer"]) == 0
