@@ -444,12 +444,16 @@ def test_the_example_sbatch_script_trains_on_the_cluster(slurm, reference, tmp_p
 
 
 @pytest.mark.full
-def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_exactly(slurm, reference,
+def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_exactly(slurm, images, short_tmp,
                                                                                       tmp_path):
     # what --signal=B:USR1@120 does near the time limit: SIGUSR1 to the batch script, here while both tasks wait at
-    # step 6 (tests/hooks.py); the script passes it on, the tasks save at their next check's step and stop, the job
-    # requeues itself
+    # step 6 (tests/hooks.py), each reading an ImageFolder with 2 DataLoader workers; the script passes it on to every
+    # process of the step, the tasks save at their next check's step and stop, saying nothing else, the job requeues
+    # itself and ends bit for bit where an unbroken run does
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    hooks.env["TMPDIR"] = str(short_tmp)  # sbatch and srun pass their environment on
+    data = ["--dataset", "imagefolder", "--data-dir", str(images), "--image-size", "16", "--workers", "2",
+            "--batch-size", "8", "--save-every", "4", "--epochs", "3"]
     sent = []
 
     def signal_at_the_pause(job, env):
@@ -462,11 +466,15 @@ def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_ex
     # --time=10: the script's --signal=B:USR1@120 must not come at once, as it would within a 2-minute limit
     sbatch(slurm, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
                    f"--output={tmp_path / 'job.out'}",
-                   ROOT / "slurm_example.sbatch"] + script_args("ddp_launch_train.py", out)[1:], tmp_path,
+                   ROOT / "slurm_example.sbatch", *data, "--out-dir", str(out)], tmp_path,
            each_poll=signal_at_the_pause, env=hooks.env)
     log = (tmp_path / "job.out").read_text()  # both runs of the job: the script opens it to append
     stop = agreed_stop(log, signal.SIGUSR1)
     assert "requeued" in log, log[-3000:]
     assert f"resuming at step {stop}" in log, log[-3000:]  # from the checkpoint saved after the signal
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
-    assert_same_weights(weights(out / "last.pt"), reference("ddp_launch_train.py"))
+    noise = [line for line in log.splitlines() if re.search(r"Traceback|Error|resource_tracker|leak", line)]
+    assert noise == [], log[-3000:]
+    assert [n for n in os.listdir(short_tmp) if not n.startswith("torchinductor_")] == [], "left in TMPDIR"
+    run("ddp_launch_train.py", *data, "--out-dir", tmp_path / "unbroken", launcher="ranks", nproc=2)
+    assert_same_weights(weights(out / "last.pt"), weights(tmp_path / "unbroken" / "last.pt"))
