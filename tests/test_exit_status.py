@@ -24,7 +24,8 @@ import pytest
 
 from conftest import assert_exit, worker_exit_codes
 from hooks import Hooks
-from processes import LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, Proc, alive, command, run, start_ranks, torchrun
+from processes import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, Proc, alive, command, descendants, run, start_ranks,
+                       torchrun, worker_env)
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 TINY = ["--model", "smooth", "--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]  # 4 steps
@@ -131,6 +132,51 @@ def test_torchrun_names_a_stuck_rank_0_and_every_process_ends(tmp_path):
     assert len(named(0).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
     assert worker_exit_codes(log) == {0: -signal.SIGKILL, 1: 3}, log[-4000:]  # in torchrun's report
     assert hooks.exits() == {1: 3} and not alive(stuck)
+
+
+# a rank frozen (SIGSTOP: not even a signal's note reaches it) while the ranks evaluate, their evaluation's DataLoader
+# workers reading an ImageFolder: the other rank's collective times out, and torchrun's SIGKILL ends the frozen rank's
+# whole process group, its workers too, at the end of its grace period
+FROZEN = ["--dataset", "imagefolder", "--image-size", 16, "--workers", 2, "--batch-size", 8, "--epochs", 2,
+          "--step-timeout", 5]
+EVAL_S = 1  # seconds per evaluation batch: 2 batches of the 21 images on each rank
+GRACE, NAMING = 30, 5  # torchrun's grace period after a failed worker; hangs.py's wait for every stuck rank's mark
+
+
+@pytest.mark.full
+def test_a_rank_frozen_while_the_ranks_evaluate_with_workers_ends_the_run_within_its_timeouts(images, short_tmp,
+                                                                                            tmp_path, measured):
+    """Rank 1 frozen at its first evaluation batch: rank 0 names it and exits 3 once its evaluation's collective has
+    waited --step-timeout; torchrun kills rank 1 and its workers at the end of its grace period. The run ends within
+    the sum of those times and rank 0's rest of the evaluation, with a margin for a loaded machine; no process of it
+    is left. (What the SIGKILL leaves in TMPDIR, docs/failures.md says.)"""
+    hooks = Hooks(tmp_path, eval_s=EVAL_S)
+    proc = Proc(torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") +
+                [*FROZEN, "--data-dir", images, "--out-dir", tmp_path / "out"], tmp_path / "log",
+                env={**hooks.env, "TMPDIR": str(short_tmp)}, merge=True)
+    try:
+        proc.until(lambda: hooks.evaluating() == [0, 1], "both ranks evaluating")
+        rank1 = [pid for pid in descendants(proc.pid) if worker_env(pid).get("RANK") == "1"][0]
+        group = [rank1, *descendants(rank1)]
+        assert len(group) >= 3, group  # rank 1 and its evaluation's 2 workers
+        os.kill(rank1, signal.SIGSTOP)
+        frozen = time.monotonic()
+        proc.wait(expect=1)
+        seconds = time.monotonic() - frozen
+        log = proc.output()
+    finally:
+        proc.kill()
+    bound = 2 * EVAL_S + 5 + NAMING + GRACE
+    measured("a frozen rank with workers: seconds from the freeze to torchrun's exit", seconds, bound + 15)
+    assert seconds < bound + 15, log[-4000:]
+    assert len(named(1).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
+    assert worker_exit_codes(log) == {0: 3, 1: -signal.SIGKILL}, log[-4000:]
+    # multiprocessing's resource tracker, in a group of its own (train_extras/workers.py), outlives the SIGKILL and
+    # unlinks the semaphores of rank 1's DataLoader from /dev/shm (the session's end checks): its warning says so
+    deadline = time.monotonic() + 10
+    while [pid for pid in group if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in group if alive(pid)] == [], group
 
 
 # ---- mp.spawn: the parent passes on the status of the first child that failed
