@@ -136,9 +136,9 @@ def test_scripts_differ_only_in_tagged_lines(script):
 
 
 def own_steps_in_readme():
-    """{script: the steps the README says are its own, not compared}, from its sentence on tests/test_drift.py."""
+    """{script: the steps docs/core.md says are its own, not compared}, from its sentence on tests/test_drift.py."""
     import re
-    text = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    text = " ".join(open(os.path.join(ROOT, "docs", "core.md")).read().split())
     sentence = text[text.index("for every step but a script's own"):].split(" A checkpoint")[0]
     found = {}
     for script, names in re.findall(r"`(\w+\.py)`'s (.*?)(?:;|\(|$)", sentence):
@@ -148,7 +148,7 @@ def own_steps_in_readme():
 
 @pytest.mark.floor
 def test_the_readme_names_exactly_the_steps_left_uncompared():
-    """The README says which steps tests/test_drift.py does not compare (a script's own, its `def` tagged): that is
+    """docs/core.md says which steps tests/test_drift.py does not compare (a script's own, its `def` tagged): that is
     exactly what steps() finds, so that the sentence cannot go stale."""
     ref, said = steps(REFERENCE), own_steps_in_readme()
     for script in TAGS:
