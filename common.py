@@ -232,6 +232,15 @@ def on_rank0(fn, rank):
 
 
 # ---- the data and the model: replace these calls with your own Dataset and nn.Module
+def load_data_rank0_first(args, rank):
+    """load_data on rank 0 first, the one process that may download files (N processes never write
+    the same files at once), then on the others, from those files."""
+    data = on_rank0(lambda: load_data(args, download=True), rank)
+    if rank != 0:
+        data = load_data(args)
+    return data
+
+
 def load_data(args, download=False):
     """(train_set, val_set) of (x, label); download: the one process that may fetch files."""
     return optional("datasets", "the built-in data").load(args, download)

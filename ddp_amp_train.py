@@ -71,10 +71,8 @@ def build_data(run):
     order every epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank,
     once."""
     args = run.args
-    # rank 0 downloads and builds first, alone, so that N processes never write the same files at
-    # once; then the others
-    run.train_set, val_set = common.on_rank0(lambda: common.load_data(args, download=True),
-                                             run.rank) or common.load_data(args)
+    # rank 0 first, the one that may download: N processes never write the same files at once
+    run.train_set, val_set = common.load_data_rank0_first(args, run.rank)
     # drop_last: every rank gets the same number of batches, so none waits in an all-reduce for a
     # batch that never comes
     run.sampler = DistributedSampler(run.train_set, run.world_size, run.rank, shuffle=True,
@@ -190,7 +188,8 @@ def train_one_epoch(run, epoch):
 
 
 def mean_over_ranks(t):
-    dist.all_reduce(t := t.clone())  # a copy: the running sums go on
+    t = t.clone()  # a copy: the running sums go on
+    dist.all_reduce(t)
     return t / dist.get_world_size()
 
 
@@ -234,12 +233,14 @@ def save(run):
 def evaluate_and_log(run):
     """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
     last step ends the run before it, one during it after it: its checkpoint is saved."""
-    if stopping := run.progress.stopping:
+    stopping = run.progress.stopping
+    if stopping:
         raise common.stopped(stopping, run.progress.step)
     t1 = time.time()
     row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
-    if stopping := run.progress.stop_agreed():
+    stopping = run.progress.stop_agreed()
+    if stopping:
         raise common.stopped(stopping, run.progress.step)
 
 

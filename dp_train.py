@@ -210,12 +210,14 @@ def save(run):  # [dp]
 def evaluate_and_log(run):
     """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
     last step ends the run before it, one during it after it: its checkpoint is saved."""
-    if stopping := run.progress.stopping:
+    stopping = run.progress.stopping
+    if stopping:
         raise common.stopped(stopping, run.progress.step)
     t1 = time.time()
     row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
-    if stopping := run.progress.stop_agreed():
+    stopping = run.progress.stop_agreed()
+    if stopping:
         raise common.stopped(stopping, run.progress.step)
 
 
