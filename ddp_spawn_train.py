@@ -211,6 +211,15 @@ def evaluate_and_log(run):
         raise common.stopped(stopping, run.progress.step)
 
 
+def announce(run):
+    """Rank 0's first line: how the run is set up, and the step a resume starts at."""
+    common.start_output(run)
+    print(f"ddp: {run.world_size} process{'es' * (run.world_size > 1)}, backend "
+          f"{dist.get_backend()}, device {run.device.type}, global batch {run.global_batch}, "
+          f"started by {run.launcher}"
+          + (f", resuming at step {run.progress.step}" if run.progress.step else ""))
+
+
 def main(args):
     common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
     run = setup_distributed(args)
@@ -230,11 +239,7 @@ def main(args):
                   f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
-        common.start_output(run)
-        print(f"ddp: {run.world_size} process{'es' * (run.world_size > 1)}, backend "
-              f"{dist.get_backend()}, device {run.device.type}, global batch {run.global_batch}, "
-              f"started by {run.launcher}"
-              + (f", resuming at step {progress.step}" if progress.step else ""))
+        announce(run)
     with common.hangs_named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)

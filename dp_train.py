@@ -221,6 +221,14 @@ def evaluate_and_log(run):
         raise common.stopped(stopping, run.progress.step)
 
 
+def announce(run):
+    """Rank 0's first line: how the run is set up, and the step a resume starts at."""
+    common.start_output(run)
+    print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, "  # [dp]
+          f"global batch {run.global_batch}"
+          + (f", resuming at step {run.progress.step}" if run.progress.step else ""))
+
+
 def main(args):
     common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
     run = setup_devices(args)  # [dp]
@@ -241,10 +249,7 @@ def main(args):
                   f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
-        common.start_output(run)
-        print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, "  # [dp]
-              f"global batch {run.global_batch}"
-              + (f", resuming at step {progress.step}" if progress.step else ""))
+        announce(run)
     with common.hangs_named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)

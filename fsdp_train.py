@@ -336,6 +336,21 @@ def held_bytes(run):
             "replicate": args.replicate}
 
 
+def announce(run):
+    """Rank 0's first line: how the run is set up, and the step a resume starts at."""
+    common.start_output(run)
+    args = run.args  # [fsdp]
+    hsdp = (f"HSDP: {args.replicate} copies of "  # [fsdp]
+            f"{run.world_size // args.replicate} shards, ")
+    print(f"fsdp: {run.world_size} process{'es' * (run.world_size > 1)}, "  # [fsdp]
+          f"backend {dist.get_backend()}, device {run.device.type}, global batch "
+          f"{run.global_batch}, started by {run.launcher}, "
+          f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
+          f"reshard after forward, {hsdp * (args.replicate > 1)}"
+          f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
+          + (f", resuming at step {run.progress.step}" if run.progress.step else ""))
+
+
 def main(args):
     common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
     run = setup_distributed(args)
@@ -357,16 +372,7 @@ def main(args):
                   f"--max-steps {args.max_steps}): nothing to train")
         return
     if master:
-        common.start_output(run)
-        hsdp = (f"HSDP: {args.replicate} copies of "  # [fsdp]
-                f"{run.world_size // args.replicate} shards, ")
-        print(f"fsdp: {run.world_size} process{'es' * (run.world_size > 1)}, "  # [fsdp]
-              f"backend {dist.get_backend()}, device {run.device.type}, global batch "
-              f"{run.global_batch}, started by {run.launcher}, "
-              f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
-              f"reshard after forward, {hsdp * (args.replicate > 1)}"
-              f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
-              + (f", resuming at step {progress.step}" if progress.step else ""))
+        announce(run)
     with common.hangs_named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)

@@ -24,7 +24,7 @@ from processes import ROOT, command
 REFERENCE = "ddp_launch_train.py"
 TAGS = {"ddp_amp_train.py": "[amp]", "ddp_spawn_train.py": "[spawn]", "fsdp_train.py": "[fsdp]", "dp_train.py": "[dp]"}
 STEPS = ["build_data", "build_model", "resume", "train_step", "train_one_epoch", "evaluate", "save", "main",
-         "evaluate_and_log"]
+         "evaluate_and_log", "announce"]
 BLOCKS = ("body", "orelse", "handlers", "finalbody")
 
 
