@@ -24,11 +24,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
-EXTRAS = ("datasets", "models", "finetune", "tensorboard")  # with flags of their own
-EXTRA_FLAGS = {"datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
-                            "--synthetic-shape"), "models": ("--model",),
-               "finetune": ("--pretrained", "--weights", "--freeze-backbone"),
-               "tensorboard": ("--tensorboard",)}
+EXTRA_FLAGS = {  # the extras with flags of their own, and those flags
+    "datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
+                 "--synthetic-shape"),
+    "models": ("--model",),
+    "finetune": ("--pretrained", "--weights", "--freeze-backbone"),
+    "tensorboard": ("--tensorboard",)}
 
 
 class UsageError(Exception):
@@ -64,7 +65,8 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
     def parse_args(self, *a, **kw):
-        if self.one_process and (launcher := one_of_several()):  # before its --local-rank
+        launcher = one_of_several() if self.one_process else None  # before its --local-rank
+        if launcher:
             raise UsageError(f"{self.prog} {self.one_process}: start it with python, not "
                              f"{launcher}")
         args = super().parse_args(*a, **kw)
@@ -105,8 +107,10 @@ def get_parser(doc):
     a("--channels-last", action="store_true", help="channels_last memory format for images")
     a("--compile", action="store_true", help="torch.compile the model")
     a("--deterministic", action="store_true", help="no TF32, deterministic cuDNN")
-    for module in filter(None, map(extra, EXTRAS)):
-        module.add_flags(p)
+    for name in EXTRA_FLAGS:
+        module = extra(name)
+        if module is not None:
+            module.add_flags(p)
     return p
 
 
@@ -121,7 +125,8 @@ def extra(name):
 
 def optional(name, what):
     """train_extras/<name>.py, which `what` needs, or one line."""
-    if (module := extra(name)) is None:
+    module = extra(name)
+    if module is None:
         raise UsageError(f"{what} needs train_extras/{name}.py (and its __init__.py): copy them")
     return module
 
@@ -185,7 +190,8 @@ def device_type(asked, collectives=True):
 def local_device(kind, local_rank):
     if kind == "cpu":
         return torch.device("cpu")
-    torch.accelerator.set_device_index(index := local_rank % torch.accelerator.device_count())
+    index = local_rank % torch.accelerator.device_count()
+    torch.accelerator.set_device_index(index)
     return torch.device(kind, index)
 
 
@@ -201,7 +207,9 @@ def same_flags(args, allowed=("out_dir", "data_dir", "workers", "tensorboard", "
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, flags in enumerate(everyone):
-        if k := next((k for k in everyone[0] if flags.get(k) != everyone[0][k]), None):
+        differ = [k for k in everyone[0] if flags.get(k) != everyone[0][k]]
+        if differ:
+            k = differ[0]
             raise UsageError(f"the ranks' flags differ: --{k.replace('_', '-')} is "
                              f"{everyone[0][k]} on rank 0, {flags.get(k)} on rank {rank}")
 
@@ -233,8 +241,7 @@ def on_rank0(fn, rank):
 
 # ---- the data and the model: replace these calls with your own Dataset and nn.Module
 def load_data_rank0_first(args, rank):
-    """load_data on rank 0 first, the one process that may download files (N processes never write
-    the same files at once), then on the others, from those files."""
+    """load_data on rank 0, the one process that may download files, then on the others."""
     data = on_rank0(lambda: load_data(args, download=True), rank)
     if rank != 0:
         data = load_data(args)
@@ -253,12 +260,16 @@ def make_model(args, data):
 
 def fine_tune(model, run):
     """--pretrained, --weights: train_extras/finetune.py's, where copied."""
-    return module.prepare(model, run) if (module := extra("finetune")) else model
+    module = extra("finetune")
+    if module is None:
+        return model
+    return module.prepare(model, run)
 
 
 def fork_server(args):
     """train_extras/workers.py's, where copied: before any other thread runs."""
-    if module := extra("workers"):
+    module = extra("workers")
+    if module is not None:
         module.fork_server(args)
 
 
@@ -267,7 +278,9 @@ def make_loader(ds, batches, run):
     they fit. Its own generator: not the one dropout draws from."""
     if not isinstance(ds, TensorDataset):
         workers = run.args.workers
-        start = module.start(ds) if workers and (module := extra("workers")) else {}
+        module, start = extra("workers"), {}
+        if workers and module is not None:
+            start = module.start(ds)
         return DataLoader(ds, batch_sampler=batches, num_workers=workers,
                           **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
                           pin_memory=run.device.type != "cpu",
@@ -282,18 +295,18 @@ def make_loader(ds, batches, run):
 
 
 def deaf(_):
-    """A DataLoader worker's start: a job's stop signal reaches every process (scancel, timeout,
-    docker stop, Ctrl-C, torchrun's each worker's group), but only the trainer acts on it, and
-    ends its workers on its way out (end_workers). Torch's own SIGTERM handler would end the
-    worker, and the trainer's loader with it: no save (Lightning-AI/pytorch-lightning#17899)."""
+    """Each DataLoader worker's start: it ignores the stop signals. A job's stop reaches every
+    process (scancel, timeout, Ctrl-C, torchrun's), but only the trainer acts on it, and ends its
+    workers (end_workers); torch's own SIGTERM handler would end the worker, and the trainer's
+    loader with it: no save (Lightning-AI/pytorch-lightning#17899)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
 def end_workers():
-    """On every way out: the DataLoader workers (multiprocessing's daemon children, which its own
-    exit would end) killed, since they ignore SIGTERM; the loader's SIGCHLD check off first, or
-    their deaths would be its error. The spawn parent's children are not daemons: never these."""
+    """Kills the DataLoader workers, which ignore SIGTERM, on every way out: multiprocessing's
+    daemon children (the spawn parent's ranks are not daemons). The loader's SIGCHLD check goes
+    first, or their deaths would be its error."""
     if hasattr(signal, "SIGCHLD"):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
@@ -445,16 +458,17 @@ def earlier_run(run):
 
 
 def replace_earlier(earlier, run, ckpt):
-    """Rank 0, the checkpoint to resume checked: --overwrite deletes every checkpoint of the
-    earlier run and its metrics (one left, --resume auto would later continue it). `ckpt`'s row,
-    kept only where it is this --out-dir's and metrics.jsonl lacks it (a run stopped before that
-    epoch's evaluation); another's is in its own."""
+    """Rank 0, once `ckpt` is accepted: deletes the earlier run on --overwrite, all of it (one
+    checkpoint left would be continued by a later --resume auto); returns `ckpt`, its row kept only
+    where this --out-dir's metrics.jsonl lacks it."""
     found, own = earlier
-    for name in (found + ["metrics.jsonl"]) if run.args.overwrite else []:
-        if os.path.isdir(path := os.path.join(run.out_dir, name)):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
+    if run.args.overwrite:
+        for name in found + ["metrics.jsonl"]:
+            path = os.path.join(run.out_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
     if ckpt and ckpt.get("row") and (not own or ckpt["row"]["step"] in [r["step"] for r in
                                                                          rows(run)]):
         ckpt["row"] = None
@@ -472,14 +486,18 @@ def check_fits(path, ckpt, shapes, run):
     if a.get("optimizer", "sgd") != args.optimizer:  # its state would go into another optimizer's
         raise UsageError(f"{path} was trained with --optimizer {a.get('optimizer', 'sgd')}: to "
                          f"start {args.optimizer} from its weights, give it to --weights")
-    if (saved := ckpt.get("global_batch")) != run.global_batch:
+    saved = ckpt.get("global_batch")
+    if saved != run.global_batch:
         raise UsageError(f"{path} was trained with a global batch of {saved}, this run's is "
                          f"{run.global_batch}: keep --batch-size x processes x --grad-accum")
-    if (saved := ckpt.get("steps_per_epoch", run.steps_per_epoch)) != run.steps_per_epoch:
+    saved = ckpt.get("steps_per_epoch", run.steps_per_epoch)
+    if saved != run.steps_per_epoch:
         raise UsageError(f"{path} was trained with {saved} steps per epoch, this run has "
                          f"{run.steps_per_epoch}: the data changed; keep it, or use --weights")
     saved, now = ckpt.get("data", data_of(run)), data_of(run)  # its position names these samples
-    if k := next((k for k in now if saved.get(k) != now[k]), None):
+    differ = [k for k in now if saved.get(k) != now[k]]
+    if differ:
+        k = differ[0]
         what = "training samples" if k == "samples" else "--" + k.replace("_", "-")
         raise UsageError(f"{path} was trained on other data ({what} {saved.get(k)}, this run's "
                          f"{now[k]}): keep them, or start from its weights with --weights")
@@ -501,10 +519,12 @@ def rng_state(device):
 
 def restore_rng(saved, run):
     """This rank's generators as saved; at another world size, seeded from the position."""
-    if len(states := saved.get("rng") or []) == run.world_size:
+    states = saved.get("rng") or []
+    if len(states) == run.world_size:
         torch.set_rng_state(states[run.rank]["cpu"])
-        for state in states[run.rank].get(run.device.type, []) if run.device.type != "cpu" else []:
-            torch.get_device_module(run.device).set_rng_state(state, run.device)
+        if run.device.type != "cpu":  # the accelerator's too
+            for state in states[run.rank].get(run.device.type, []):
+                torch.get_device_module(run.device).set_rng_state(state, run.device)
     else:
         position = saved["epoch"] * 1_000_003 + saved["step_in_epoch"]
         torch.manual_seed((run.args.seed * 1_000_000_007 + position * 1_009 + run.rank) % 2**63)
@@ -545,8 +565,8 @@ class Progress:
         self.data = data_of(run)
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
-        for sig in STOP_SIGNALS if not received else []:  # now there is something to save
-            if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's, spawn's children's Ctrl-C)
+        for sig in STOP_SIGNALS:  # now there is something to save; not ignored ones (nohup, spawn)
+            if not received and signal.getsignal(sig) is not signal.SIG_IGN:
                 signal.signal(sig, note_signal)
         self.row = None  # the epoch's metrics, once trained
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
@@ -588,7 +608,8 @@ class Progress:
             if self.checked is None:  # start-up is over everywhere (2.11: set_timeout is private)
                 getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
                     datetime.timedelta(seconds=args.step_timeout))
-        if (first_bad := -flags[0].item()) < self.NEVER:
+        first_bad = -flags[0].item()
+        if first_bad < self.NEVER:
             older = "the last checkpoint is older" if self.saved else "nothing was saved"
             raise UsageError(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}", 1)
         per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf
@@ -656,16 +677,21 @@ def stopped(signum, step):
 def rows(run):
     """Rank 0: metrics.jsonl's rows (not a half-written one)."""
     path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
-    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+    if not os.path.exists(path):
+        return found
+    for line in open(path).read().splitlines():
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            found += [row] if isinstance((row := json.loads(line))["step"], int) else []
+            row = json.loads(line)
+            if isinstance(row["step"], int):
+                found.append(row)
     return found
 
 
 def start_output(run):
     """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers (a --max-steps
     stop's mid-epoch row goes: the epoch's own comes)."""
-    if os.path.exists(path := os.path.join(run.out_dir, "metrics.jsonl")):
+    path = os.path.join(run.out_dir, "metrics.jsonl")
+    if os.path.exists(path):
         kept = [r for r in rows(run) if r["epoch"] <= run.progress.epoch]
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -696,7 +722,10 @@ def log_epoch(run, row):
 # ---- how a run ends: an error one line, printed once, and its exit status
 def hangs_named(run):
     """train_extras/hangs.py's, where copied: a timed-out collective names its missing ranks."""
-    return module.named(run) if (module := extra("hangs")) else contextlib.nullcontext()
+    module = extra("hangs")
+    if module is None:
+        return contextlib.nullcontext()
+    return module.named(run)
 
 
 def run(main, parse_args):
@@ -733,12 +762,16 @@ def run(main, parse_args):
 
 
 def say(e, rank):
-    """`e` printed by its rank; its exit status."""
+    """Prints `e` on its rank; returns its exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: neither a launcher's SIGTERM
     end_workers()  # nor the DataLoader's check of its workers cuts it short
-    if printer := e.printer in (None, rank):
+    printer = e.printer in (None, rank)
+    if printer:
         print(e if e.code == 0 or e.code > 128 else f"error: {e}", file=sys.stderr, flush=True)
     # rank 0 says why before the others exit; before the process group, torchrun's SIGTERM
     # would kill peers still starting (exit -15, not 2)
-    time.sleep(3 if not dist.is_initialized() and one_of_several() else 0 if printer else 0.5)
+    if not dist.is_initialized() and one_of_several():
+        time.sleep(3)
+    elif not printer:
+        time.sleep(0.5)
     return e.code

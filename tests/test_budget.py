@@ -82,8 +82,9 @@ def test_the_budget_catches_one_line_and_one_byte_too_many(tmp_path):
     core = read(ROOT, "common.py")
     one_line_over = padded(tmp_path / "lines", CORE_LINES + 1, len(core) + 2 * (CORE_LINES + 1 -
                                                                                    core.count(b"\n")))
-    assert over_budget(one_line_over) == [f"common.py: {CORE_LINES + 1} lines, over {CORE_LINES}"]
-    one_byte_over = padded(tmp_path / "bytes", CORE_LINES, CORE_BYTES + 1)
+    problems = over_budget(one_line_over)  # (bytes too, where common.py is within 2 a line of its limit)
+    assert f"common.py: {CORE_LINES + 1} lines, over {CORE_LINES}" in problems, problems
+    one_byte_over = padded(tmp_path / "bytes", core.count(b"\n") + 1, CORE_BYTES + 1)
     problems = over_budget(one_byte_over)
     assert problems[0] == f"common.py: {CORE_BYTES + 1} bytes, over {CORE_BYTES}", problems
     wide = tmp_path / "wide"
