@@ -300,8 +300,11 @@ def launch(args):
         # the child said why (129, 143: stopped by a signal); else: say so
         if e.exit_code not in (1, 2, 3, 129, 143):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        # killed by a signal (a negative status): 1; after Ctrl-C, 130
-        sys.exit(130 if interrupted else e.exit_code if e.exit_code > 0 else 1)
+        if interrupted:  # Ctrl-C
+            sys.exit(130)
+        if e.exit_code < 0:  # killed by a signal
+            sys.exit(1)
+        sys.exit(e.exit_code)
     finally:  # Ctrl-C, or an error of the parent's own: no child left running
         for c in children.processes:
             if c.is_alive():
