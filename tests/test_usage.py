@@ -192,8 +192,8 @@ def test_a_nan_stop_says_whether_an_older_checkpoint_is_there():
 
 
 def test_a_resume_with_other_flags_keeps_the_optimizers_state_and_takes_the_new_schedule(tmp_path):
-    """--lr, --momentum, --weight-decay: the optimizer's state holds the checkpoint's, which go on (the README says
-    so); --epochs, --warmup-epochs: the schedule is rebuilt, from the resumed step on: the LR of the first resumed
+    """--lr, --momentum, --weight-decay: the optimizer's state holds the checkpoint's, which go on (docs/failures.md
+    says so); --epochs, --warmup-epochs: the schedule is rebuilt, from the resumed step on: the LR of the first resumed
     step follows the new schedule at the old peak."""
     out = tmp_path / "out"
     run("ddp_launch_train.py", *TINY, "--max-steps", 4, "--out-dir", out)
