@@ -32,6 +32,12 @@ def test_a_resume_from_elsewhere_never_replaces_the_run_in_out_dir_and_overwrite
     assert_exit(p, 2)
     assert "--overwrite would delete the checkpoint that --resume auto continues" in one_line(p)
     assert (y / "last.pt").read_bytes() == before
+    # --overwrite with a checkpoint that this run cannot continue (its seed: other data): refused before anything of
+    # the earlier run is deleted
+    p = run(script, *ARGS, "--seed", 3, "--out-dir", y, "--resume", x / "last.pt", "--overwrite", check=False)
+    assert_exit(p, 2)
+    assert "was trained on other data (--seed 0, this run's 3)" in one_line(p)
+    assert (y / "last.pt").read_bytes() == before and (y / "metrics.jsonl").read_text() == rows
     if script == "dp_train.py":
         return
     log = run(script, *ARGS, "--out-dir", y, "--resume", x / "last.pt", "--overwrite").stdout
