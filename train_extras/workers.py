@@ -65,8 +65,10 @@ def deaf_helpers(start):
 def start_resource_tracker():
     """multiprocessing's resource tracker, started deaf (deaf_helpers) and in a process group of its
     own. The forkserver's DataLoaders name their semaphores in /dev/shm, and the tracker unlinks
-    them if the trainer cannot: a SIGKILL to the trainer's process group (torchrun's, at the end of
-    its grace period) would kill a tracker in it too, and leave them there until a reboot."""
+    them if the trainer cannot (its purpose: python/cpython#13222, bpo-36867): a SIGKILL to the
+    trainer's process group (torchrun's, at the end of its grace period) would kill a tracker in it
+    too, and leave them there until a reboot. ensure_running starts it through
+    util.spawnv_passfds, which has no process-group option: swapped for the call alone."""
     from multiprocessing import resource_tracker, util
     spawn = util.spawnv_passfds
     util.spawnv_passfds = spawn_in_own_group
