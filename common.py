@@ -150,7 +150,7 @@ def launcher_env():
         raise UsageError(f"{names[0]} and {names[1]} go together: set both")
     if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a Kubernetes PyTorchJob
         launcher = "env:// (no LOCAL_RANK: one process per machine)"
-    if launcher == "torchrun" and any(a.startswith("--local") for a in sys.argv):  # --local-rank
+    if launcher == "torchrun" and any(a.startswith("--local") for a in sys.argv):
         launcher = "python -m torch.distributed.launch"
     world = int(env[names[1]])
     if world > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
@@ -319,7 +319,7 @@ def nested(fn, x):
     (the inputs a tokenizer or a multi-input model takes)."""
     if isinstance(x, dict):
         return {k: nested(fn, v) for k, v in x.items()}
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple: its fields by position
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
         return type(x)(*[nested(fn, v) for v in x])
     if isinstance(x, (list, tuple)):
         return type(x)([nested(fn, v) for v in x])

@@ -112,21 +112,21 @@ def build_model(run):
 
 
 def make_mesh(run):
-    """1-D: every rank holds 1/N. HSDP (--replicate R): R copies, each sharded over N/R ranks (its
-    all-gathers stay among them: one machine's fast links), the gradients then all-reduced across
-    the copies."""
+    """1-D: every rank holds 1/N. HSDP (--replicate R): R copies, each sharded over N/R ranks
+    (all-gathers within a copy: one machine's fast links), gradients all-reduced across copies."""
     r = run.args.replicate
+    if r == 1:
+        return init_device_mesh(run.device.type, (run.world_size,))
     return init_device_mesh(run.device.type, (r, run.world_size // r),
-                            mesh_dim_names=("replicate", "shard")) \
-        if r > 1 else init_device_mesh(run.device.type, (run.world_size,))
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def shard(model, mesh, precision, reshard_after_forward):
     """fully_shard bottom-up: each top-level child with parameters a group, all-gathered in one
     collective just before it runs (resnet: conv1, layer1..layer4, fc); then the root, for what is
     left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32; each
-    BatchNorm a group that computes in fp32 and hands bf16 on (torch 2.15's param_dtype_override_fn
-    would do that without a group each; 2.11-2.14 lack it)."""
+    BatchNorm a group that computes in fp32 and hands bf16 on (torch 2.15's
+    param_dtype_override_fn would need no group each)."""
     kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), \
         torch.nn.modules.batchnorm._BatchNorm
     bf16 = torch.bfloat16 if precision == "bf16" else None  # None: computed as they are, in fp32
@@ -174,7 +174,7 @@ def resume(run):
         # there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
-        whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
+        whole = meta[0].get("optimizer")  # on every rank already: nothing to send or shard
         set_optimizer_state_dict(run.raw_model, run.optimizer,
                                  whole or (ckpt["optimizer"] if run.rank == 0 else {}),
                                  options=StateDictOptions() if whole else options)
@@ -195,8 +195,7 @@ def train_step(run, x, y):
         loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
-    # gradients exist from backward to zero_grad: what this rank holds of them is measured here
-    # (for metrics.jsonl)
+    # this rank's part of the gradients, between backward and zero_grad (metrics.jsonl)
     run.grad_bytes = local_bytes(
         p.grad for p in run.raw_model.parameters() if p.grad is not None)  # [fsdp]
     norm = clip_grad_norm(run.raw_model.parameters(), run.args.clip_grad) \
@@ -277,7 +276,7 @@ def pad_forwards(run):
     batches = math.ceil(math.ceil(len(ds) / run.world_size) / run.args.batch_size)  # rank 0's
     for _ in range(len(run.val_loader), batches):
         x, y = default_collate([ds[0]])  # a batch of one sample, as the loader makes it
-        run.raw_model(common.to_device(run, ds, x, y)[0])  # counts nowhere
+        run.raw_model(common.to_device(run, ds, x, y)[0])
 
 
 def save(run, blocking=False):
@@ -285,21 +284,37 @@ def save(run, blocking=False):
     training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
     in any script, at any number of processes, with or without a GPU, and into a plain model with
     weights_only=True. --ckpt-format dcp: a ckpt-<step> folder of each rank's shards instead
-    (train_extras/sharded.py; --async-save: in the background unless blocking)."""
+    (train_extras/sharded.py; --async-save in the background)."""
     progress = run.progress
     sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(common.rng_state(run.device), rngs)
     if run.sharded:  # [fsdp] --ckpt-format dcp: each rank writes the tensors it holds; no gather
         return run.sharded.save(run, sums, rngs, blocking)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
-    model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
+    sharded = get_state_dict(run.raw_model, run.optimizer)  # [fsdp] no gather yet
+    model_state, optim_state = common.nested(lambda t: gathered(t, run.rank), sharded)  # [fsdp]
     state = {"model": model_state, "optimizer": optim_state,
              "scheduler": run.scheduler.state_dict(), **progress.state(sums), "rng": rngs,
              "args": vars(run.args), "world_size": run.world_size}
     # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it
     common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")),
                     run.rank)
+
+
+def gathered(t, rank):
+    """Rank 0's whole copy of a tensor of the state, on its CPU (full_state_dict's gather crashes
+    on CUDA tensors over gloo: pytorch/pytorch#152645)."""
+    if isinstance(t, DTensor):
+        group = t.device_mesh.get_group(t.device_mesh.ndim - 1)  # HSDP: the last one shards
+        mine, rows = t.to_local(), -(-len(t) // group.size())  # the last rank's may be short
+        padded = mine.new_zeros(rows, *t.shape[1:])
+        padded[:len(mine)] = mine
+        parts = [torch.empty_like(padded) for _ in range(group.size())]
+        dist.all_gather(parts, padded, group=group)
+        t = torch.cat(parts)[:len(t)]
+    if rank != 0:
+        return None  # rank 0 alone writes
+    return t.cpu()
 
 
 def evaluate_and_log(run):
@@ -319,8 +334,7 @@ def evaluate_and_log(run):
 
 
 def local_bytes(tensors):
-    """Bytes this rank holds of these tensors: of a DTensor (a sharded parameter, gradient, moment)
-    its shard."""
+    """Bytes this rank holds of these tensors (of a DTensor, its shard)."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
                for t in tensors)
 
