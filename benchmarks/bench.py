@@ -308,7 +308,7 @@ def tabulate(plan, runs, ratios, differ, a):
             rs = runs[name, ws]
             row = {"name": name, "reference": ref[0], "world_size": ws, "launch": label,
                    "device": a.device, "precision": a.precision, "model": a.model, "shape": a.shape,
-                   "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats, "threads": threads,
+                   "global_batch": a.batch_size, "steps": a.steps, "repeats": len(rs), "threads": threads,
                    **{k: None if rs[0][k] is None else statistics.median(x[k] for x in rs) for k in rs[0]},
                    "samples_per_s_runs": [x["samples_per_s"] for x in rs], "weights_differ": differ[name, ws]}
             if name == ref[0]:  # the reference against itself: each run over the median of its runs
@@ -361,9 +361,11 @@ def main(a):
 
     def timed(row, r):  # one run of a row
         name, ws, cmd, t, _ = row
+        began = time.time()
         result = run(cmd, t, a)
         runs[name, ws].append({k: v for k, v in result.items() if k != "weights"})
-        print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {result['samples_per_s']:.1f} samples/s",
+        print(f"repeat {r + 1}/{a.repeats}  {name} x{ws}: {result['samples_per_s']:.1f} samples/s "
+              f"(start-up {result['startup_s']:.1f} s, the whole run {time.time() - began:.1f} s)",
               file=sys.stderr, flush=True)
         return result
 
@@ -384,6 +386,9 @@ def main(a):
                 differ[ref[:2]].append(same_weights(after["weights"], before["weights"]))
                 before = after
         last = time.time() - t
+        if a.json:  # after every repeat: a command stopped at its time limit keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump(tabulate(plan, runs, ratios, differ, a), f, indent=1)
     table = tabulate(plan, runs, ratios, differ, a)
     show(table, a, threads)
     if a.json:

@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,8 +107,12 @@ def part_tests(a, m):
     for p, log in procs:
         try:
             codes.append(p.wait(timeout=max(1, a.timeout - (time.time() - t0))))
-        except subprocess.TimeoutExpired:
-            p.kill()
+        except subprocess.TimeoutExpired:  # Ctrl-C's way: pytest then reports what failed and writes its XML
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
             codes.append("timed out")
         log.close()
         with open(log.name) as f:
@@ -174,10 +179,13 @@ def part_bench(a, m):
         if os.path.exists(path):  # an earlier run's: never read as this one's
             os.remove(path)
         t0 = time.time()
-        p = subprocess.run(cmd, cwd=ROOT)
+        try:  # stopped at --deadline: its JSON holds the repeats that ended (bench.py writes it after each)
+            code = subprocess.run(cmd, cwd=ROOT, timeout=max(1, a.deadline - (t0 - t_start))).returncode
+        except subprocess.TimeoutExpired:
+            code = "stopped at --deadline"
         spent.append((name, time.time() - t0, budget))
-        if p.returncode != 0:  # 1: weights that differ from the reference's, its table written all the same
-            print(f"{name}: benchmarks/bench.py exited {p.returncode}", file=sys.stderr)
+        if code != 0:  # 1: weights that differ from the reference's, its table written all the same
+            print(f"{name}: benchmarks/bench.py exited {code}", file=sys.stderr)
             failed.append(name)
         if not os.path.exists(path):
             continue
