@@ -32,12 +32,39 @@ EXTRA_FLAGS = {  # the extras with flags of their own, and those flags
     "tensorboard": ("--tensorboard",)}
 
 
-class UsageError(Exception):
-    """Ends the run: printed by rank `printer` (None: each that raises it), exit `code`."""
+class Ending(Exception):
+    """Ends the run: one line, printed by rank `printer` (None: each rank that raises it), and the
+    exit status of its kind (below)."""
+    code = 1
 
-    def __init__(self, message, code=2, printer=0):
+    def __init__(self, message, printer=0):
         super().__init__(message)
-        self.code, self.printer = code, printer
+        self.printer = printer
+
+
+class UsageError(Ending):
+    code = 2  # the user's: a flag, a launch, a file, the data
+
+
+class NanLoss(Ending):
+    code = 1  # a NaN/inf loss on any rank: all stop at one step
+
+
+class Hang(Ending):
+    code = 3  # a rank or a worker stopped answering (--step-timeout)
+
+
+class Stopped(Ending):
+    """A stop signal: exit 0 after SIGUSR1 (a requeue), else 128 + its number."""
+
+    def __init__(self, signum, step=None):
+        how = "before training: nothing was saved"
+        if step is not None:
+            how = f"at step {step}, where last.pt was saved: --resume auto continues"
+        super().__init__(f"stopped by {signal.Signals(signum).name} {how}")
+        self.code = 128 + signum
+        if signum == getattr(signal, "SIGUSR1", None):
+            self.code = 0
 
 
 # ---- the command line: the same flags in every script
@@ -60,7 +87,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2; a flag of an extra not copied: its file
         words = set(message.replace("=", " ").split())
         for name, flags in EXTRA_FLAGS.items():
-            if message.startswith("unrecognized") and words & set(flags) and not extra(name):
+            if message.startswith("unrecognized") and words & set(flags) and \
+                    isinstance(extra(name), NotCopied):
                 message += f" (a flag of train_extras/{name}.py: copy it and its __init__.py)"
         raise UsageError(f"{message} (see {self.prog} --help)")
 
@@ -108,25 +136,43 @@ def get_parser(doc):
     a("--compile", action="store_true", help="torch.compile the model")
     a("--deterministic", action="store_true", help="no TF32, deterministic cuDNN")
     for name in EXTRA_FLAGS:
-        module = extra(name)
-        if module is not None:
-            module.add_flags(p)
+        extra(name).add_flags(p)
     return p
 
 
 def extra(name):
+    """Returns train_extras/<name>.py where it was copied, else a NotCopied."""
     try:
         return importlib.import_module(f"train_extras.{name}")
     except ModuleNotFoundError as e:
         if e.name not in ("train_extras", f"train_extras.{name}"):
             raise
-        return None
+        return NotCopied()
+
+
+class NotCopied:
+    """An extra not copied: its steps do nothing and return what they were given."""
+
+    def add_flags(self, parser):
+        pass
+
+    def fork_server(self, args):  # workers.py's
+        pass
+
+    def start(self, dataset):
+        return {}
+
+    def prepare(self, model, run):  # finetune.py's
+        return model
+
+    def named(self, run):  # hangs.py's
+        return contextlib.nullcontext()
 
 
 def optional(name, what):
     """train_extras/<name>.py, which `what` needs, or one line."""
     module = extra(name)
-    if module is None:
+    if isinstance(module, NotCopied):
         raise UsageError(f"{what} needs train_extras/{name}.py (and its __init__.py): copy them")
     return module
 
@@ -258,29 +304,13 @@ def make_model(args, data):
     return optional("models", "the built-in models").for_data(args, data)
 
 
-def fine_tune(model, run):
-    """--pretrained, --weights: train_extras/finetune.py's, where copied."""
-    module = extra("finetune")
-    if module is None:
-        return model
-    return module.prepare(model, run)
-
-
-def fork_server(args):
-    """train_extras/workers.py's, where copied: before any other thread runs."""
-    module = extra("workers")
-    if module is not None:
-        module.fork_server(args)
-
-
 def make_loader(ds, batches, run):
-    """A DataLoader over `batches`; tensors in memory: one index a batch, on the accelerator if
-    they fit. Its own generator: not the one dropout draws from."""
+    """Returns a DataLoader over `batches`. Tensors in memory: one index a batch, on the
+    accelerator if they fit. Its own generator: not the one dropout draws from."""
     if not isinstance(ds, TensorDataset):
-        workers = run.args.workers
-        module, start = extra("workers"), {}
-        if workers and module is not None:
-            start = module.start(ds)
+        workers, start = run.args.workers, {}
+        if workers:
+            start = extra("workers").start(ds)
         return DataLoader(ds, batch_sampler=batches, num_workers=workers,
                           **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
                           pin_memory=run.device.type != "cpu",
@@ -295,18 +325,17 @@ def make_loader(ds, batches, run):
 
 
 def deaf(_):
-    """Each DataLoader worker's start: it ignores the stop signals. A job's stop reaches every
-    process (scancel, timeout, Ctrl-C, torchrun's), but only the trainer acts on it, and ends its
-    workers (end_workers); torch's own SIGTERM handler would end the worker, and the trainer's
-    loader with it: no save (Lightning-AI/pytorch-lightning#17899)."""
+    """Makes a DataLoader worker ignore the stop signals. A job's stop reaches every process, but
+    the trainer acts on it and ends its workers; torch's SIGTERM handler would end the worker, and
+    the trainer's loader with it: no save (Lightning-AI/pytorch-lightning#17899)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
 def end_workers():
-    """Kills the DataLoader workers, which ignore SIGTERM, on every way out: multiprocessing's
-    daemon children (the spawn parent's ranks are not daemons). The loader's SIGCHLD check goes
-    first, or their deaths would be its error."""
+    """Kills the DataLoader workers (they ignore SIGTERM) on every way out: multiprocessing's
+    daemon children, not the spawn parent's ranks. SIGCHLD's handler goes first, or the loader
+    would report their deaths."""
     if hasattr(signal, "SIGCHLD"):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
@@ -315,8 +344,8 @@ def end_workers():
 
 
 def nested(fn, x):
-    """fn applied to every tensor of x: a tensor, or a dict, list or (named) tuple of them, nested
-    (the inputs a tokenizer or a multi-input model takes)."""
+    """Applies fn to every tensor of x: a tensor, or a dict, list or (named) tuple of them, nested
+    (what a tokenizer or a multi-input model takes)."""
     if isinstance(x, dict):
         return {k: nested(fn, v) for k, v in x.items()}
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
@@ -423,8 +452,8 @@ def find_checkpoint(run):
 
 
 def check_out_dir(run):
-    """Rank 0, before the data and the model are built: an earlier run in --out-dir refused unasked,
-    and a folder that cannot be written found now, not at the first save."""
+    """Rank 0, before the data and the model are built: refuses an earlier run in --out-dir that
+    no flag asks for, and a folder that cannot be written."""
     if os.path.isdir(run.out_dir):
         earlier_run(run)
         try:
@@ -434,9 +463,8 @@ def check_out_dir(run):
 
 
 def earlier_run(run):
-    """Rank 0: --out-dir, made; the checkpoints of an earlier run there (last.pt, fsdp_train.py's
-    ckpt-<step> folders), which only its own resume, or --overwrite, may replace; and whether
-    --resume names one of them."""
+    """Rank 0: makes --out-dir; returns an earlier run's checkpoints there (last.pt, ckpt-<step>),
+    which only its own resume or --overwrite may replace, and whether --resume names them."""
     args, out = run.args, run.out_dir
     try:
         os.makedirs(out, exist_ok=True)
@@ -458,9 +486,9 @@ def earlier_run(run):
 
 
 def replace_earlier(earlier, run, ckpt):
-    """Rank 0, once `ckpt` is accepted: deletes the earlier run on --overwrite, all of it (one
-    checkpoint left would be continued by a later --resume auto); returns `ckpt`, its row kept only
-    where this --out-dir's metrics.jsonl lacks it."""
+    """Rank 0, once `ckpt` is accepted: deletes the earlier run on --overwrite, all of it (a later
+    --resume auto would continue what is left); returns `ckpt`, its row kept where metrics.jsonl
+    lacks it."""
     found, own = earlier
     if run.args.overwrite:
         for name in found + ["metrics.jsonl"]:
@@ -537,8 +565,8 @@ STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SI
 
 
 def note_signal(signum, _):
-    """Noted: every rank saves and stops at the next check. A second Ctrl-C ends it at once; a
-    SIGTERM again does not: torchrun passes each on, SLURM signals every process (it comes twice)"""
+    """Notes a stop: every rank saves and stops at the next check. A second Ctrl-C ends the run at
+    once, a second SIGTERM does not (torchrun passes each on; SLURM signals every process)."""
     global received
     if signum == signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)
@@ -611,7 +639,7 @@ class Progress:
         first_bad = -flags[0].item()
         if first_bad < self.NEVER:
             older = "the last checkpoint is older" if self.saved else "nothing was saved"
-            raise UsageError(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}", 1)
+            raise NanLoss(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}")
         per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf
         every = min(args.log_every - self.step % args.log_every,
                     max(1, int(self.CHECK_S / max(per_step, 1e-9))))
@@ -646,8 +674,8 @@ class Progress:
         self.t1 = self.clock()
 
     def epoch_row(self, **row):
-        """The training half of the epoch's metrics row: saved with its checkpoint, before the
-        evaluation adds the other half (a run stopped then evaluates first when resumed)."""
+        """Fills the training half of the epoch's row, saved with its checkpoint before the
+        evaluation adds the rest (a run stopped then evaluates first on resume)."""
         self.row = {"epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch,
                     "step": self.step, **row, "lr": self.scheduler.get_last_lr()[0],
                     "samples_per_s": self.samples_per_s(),
@@ -667,13 +695,6 @@ class Progress:
                 "row": self.row, "data": self.data}
 
 
-def stopped(signum, step):
-    """Saved after a signal: exit 0 after SIGUSR1 (a requeue), 143 after SIGTERM, 129 SIGHUP."""
-    return UsageError(f"stopped by {signal.Signals(signum).name} at step {step}, where last.pt was "
-                      "saved: --resume auto continues",
-                      0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum)
-
-
 def rows(run):
     """Rank 0: metrics.jsonl's rows (not a half-written one)."""
     path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
@@ -688,7 +709,7 @@ def rows(run):
 
 
 def start_output(run):
-    """Rank 0: metrics.jsonl keeps the rows of the epochs the checkpoint covers (a --max-steps
+    """Rank 0: keeps in metrics.jsonl the rows of the epochs the checkpoint covers (a --max-steps
     stop's mid-epoch row goes: the epoch's own comes)."""
     path = os.path.join(run.out_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -720,32 +741,24 @@ def log_epoch(run, row):
 
 
 # ---- how a run ends: an error one line, printed once, and its exit status
-def hangs_named(run):
-    """train_extras/hangs.py's, where copied: a timed-out collective names its missing ranks."""
-    module = extra("hangs")
-    if module is None:
-        return contextlib.nullcontext()
-    return module.named(run)
-
-
-def run(main, parse_args):
-    """main(parse_args()); an error is one line, printed once, and its exit status."""
+def run_and_exit(main, parse_args):
+    """Calls main(parse_args()) and exits: an ending is one line, printed once, and its status."""
     ranks = [n[0] for n in LAUNCHERS.values()] + ["SLURM_PROCID"]  # the launcher's rank 0 prints
     rank = next((int(os.environ[r]) for r in ranks if os.environ.get(r, "").isdigit()), 0)
     code = None
     try:
         main(parse_args())
-    except UsageError as e:
+    except Ending as e:  # UsageError 2, NanLoss 1, Hang 3, Stopped 0 or 128 + N
         code = say(e, rank)
     except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
-        code = say(UsageError("stopped by SIGINT before training: nothing was saved", 130), rank)
+        code = say(Stopped(signal.SIGINT), rank)
     except Exception as e:  # every rank ends
         why = str(e).strip().split("\n")[0]
         if received not in (0, getattr(signal, "SIGUSR1", None)):  # told to stop; a peer left
             code = 128 + received
         elif "timed out" in why.lower():  # a collective, a worker
-            code = say(UsageError(f"{why} (--step-timeout): a rank or a worker stopped answering",
-                                  3, None), rank)
+            code = say(Hang(f"{why} (--step-timeout): a rank or a worker stopped answering", None),
+                       rank)
         else:
             traceback.print_exc()
             code = 1
@@ -767,7 +780,7 @@ def say(e, rank):
     end_workers()  # nor the DataLoader's check of its workers cuts it short
     printer = e.printer in (None, rank)
     if printer:
-        print(e if e.code == 0 or e.code > 128 else f"error: {e}", file=sys.stderr, flush=True)
+        print(e if isinstance(e, Stopped) else f"error: {e}", file=sys.stderr, flush=True)
     # rank 0 says why before the others exit; before the process group, torchrun's SIGTERM
     # would kill peers still starting (exit -15, not 2)
     if not dist.is_initialized() and one_of_several():

@@ -31,7 +31,7 @@ import common
 
 def setup_distributed(args):
     """This process's rank and device, then the process group, joined by every rank before all else.
-    Its store is ours too: a rank that stops answering is named through it (common.hangs_named)."""
+    Its store is ours too: a rank that stops answering is named through it (hangs.py)."""
     # from the launcher's environment (torchrun, srun, mpirun, by hand), never a --local-rank flag
     rank, world_size, local_rank, local_world_size, launcher = common.launcher_env()
     backend = common.pick_backend(args)  # the device's: nccl on GPUs, gloo on the CPU
@@ -92,7 +92,7 @@ def build_model(run):
     args = run.args
     torch.manual_seed(args.seed)
     run.raw_model = common.make_model(args, run.train_set)
-    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model = common.extra("finetune").prepare(run.raw_model, run)  # --weights and the like
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
                      else torch.preserve_format)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
@@ -182,7 +182,7 @@ def train_one_epoch(run, epoch):
         if progress.save_due or stopping:
             save(run)
         if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
-            raise common.stopped(stopping, progress.step)
+            raise common.Stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
 
@@ -235,13 +235,13 @@ def evaluate_and_log(run):
     last step ends the run before it, one during it after it: its checkpoint is saved."""
     stopping = run.progress.stopping
     if stopping:
-        raise common.stopped(stopping, run.progress.step)
+        raise common.Stopped(stopping, run.progress.step)
     t1 = time.time()
     row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
     stopping = run.progress.stop_agreed()
     if stopping:
-        raise common.stopped(stopping, run.progress.step)
+        raise common.Stopped(stopping, run.progress.step)
 
 
 def announce(run):
@@ -255,7 +255,7 @@ def announce(run):
 
 
 def main(args):
-    common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
+    common.extra("workers").fork_server(args)  # for DataLoader workers, before any thread
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(
@@ -274,7 +274,7 @@ def main(args):
         return
     if master:
         announce(run)
-    with common.hangs_named(run):  # a rank that stops answering: named
+    with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
         for epoch in range(progress.epoch, args.epochs):
@@ -309,4 +309,4 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"],  # [amp]
                         help="bf16 (no loss scaling; Ampere+ GPUs, CPU), "
                              "fp16 (GradScaler; older GPUs) or fp32")
-    common.run(main, parser.parse_args)
+    common.run_and_exit(main, parser.parse_args)

@@ -72,7 +72,7 @@ def build_model(run):
     args = run.args
     torch.manual_seed(args.seed)
     run.raw_model = common.make_model(args, run.train_set)
-    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model = common.extra("finetune").prepare(run.raw_model, run)  # --weights and the like
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
                      else torch.preserve_format)
     if args.sync_bn:  # normalize over the global batch instead of each GPU's part of it
@@ -151,7 +151,7 @@ def train_one_epoch(run, epoch):
         if progress.save_due or stopping:
             save(run)
         if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
-            raise common.stopped(stopping, progress.step)
+            raise common.Stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
 
@@ -202,13 +202,13 @@ def evaluate_and_log(run):
     last step ends the run before it, one during it after it: its checkpoint is saved."""
     stopping = run.progress.stopping
     if stopping:
-        raise common.stopped(stopping, run.progress.step)
+        raise common.Stopped(stopping, run.progress.step)
     t1 = time.time()
     row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
     stopping = run.progress.stop_agreed()
     if stopping:
-        raise common.stopped(stopping, run.progress.step)
+        raise common.Stopped(stopping, run.progress.step)
 
 
 def announce(run):
@@ -221,7 +221,7 @@ def announce(run):
 
 
 def main(args):
-    common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
+    common.extra("workers").fork_server(args)  # for DataLoader workers, before any thread
     run = setup_distributed(args)
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(
@@ -240,7 +240,7 @@ def main(args):
         return
     if master:
         announce(run)
-    with common.hangs_named(run):  # a rank that stops answering: named
+    with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
         for epoch in range(progress.epoch, args.epochs):
@@ -315,7 +315,7 @@ def launch(args):
 def child(rank, args):
     """Each child: rank `rank` (in RANK for setup_distributed, as a launcher would set it)."""
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.nprocs)
-    common.run(main, lambda: args)
+    common.run_and_exit(main, lambda: args)
 
 
 if __name__ == "__main__":
@@ -332,4 +332,4 @@ if __name__ == "__main__":
                         help="a model that does not use every parameter in every step "
                              "(else DDP fails at step 2: 'Expected to have finished reduction')")
     # [spawn] no launcher starts it: no --local-rank
-    common.run(launch, parser.parse_args)  # [spawn] the parent, which starts the children
+    common.run_and_exit(launch, parser.parse_args)  # [spawn] the parent, which starts the children

@@ -69,7 +69,7 @@ def setup_devices(args):
     if use_cuda:
         torch.cuda.set_device(device)
     common.set_threads_and_math(1, args.deterministic)
-    # one process: rank 0 of 1, and no store (no collective to wait on: common.hangs_named has
+    # one process: rank 0 of 1, and no store (no collective to wait on: train_extras/hangs.py has
     # nothing to name)
     return types.SimpleNamespace(args=args, rank=0, world_size=1, local_rank=0, device=device,
                                  gpus=gpus, store=None)
@@ -96,7 +96,7 @@ def build_model(run):  # [dp]
     args = run.args
     torch.manual_seed(args.seed)
     run.raw_model = common.make_model(args, run.train_set)
-    run.raw_model = common.fine_tune(run.raw_model, run)  # --weights and the like, where copied
+    run.raw_model = common.extra("finetune").prepare(run.raw_model, run)  # --weights and the like
     run.raw_model.to(run.device, memory_format=torch.channels_last if args.channels_last
                      else torch.preserve_format)
     if args.compile:
@@ -168,7 +168,7 @@ def train_one_epoch(run, epoch):
         if progress.save_due or stopping:
             save(run)
         if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
-            raise common.stopped(stopping, progress.step)
+            raise common.Stopped(stopping, progress.step)
     progress.end_epoch()
     return mean_over_ranks(progress.sums) / progress.step_in_epoch
 
@@ -212,13 +212,13 @@ def evaluate_and_log(run):
     last step ends the run before it, one during it after it: its checkpoint is saved."""
     stopping = run.progress.stopping
     if stopping:
-        raise common.stopped(stopping, run.progress.step)
+        raise common.Stopped(stopping, run.progress.step)
     t1 = time.time()
     row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
     stopping = run.progress.stop_agreed()
     if stopping:
-        raise common.stopped(stopping, run.progress.step)
+        raise common.Stopped(stopping, run.progress.step)
 
 
 def announce(run):
@@ -230,7 +230,7 @@ def announce(run):
 
 
 def main(args):
-    common.fork_server(args)  # DataLoader workers' (train_extras/workers.py), before any thread
+    common.extra("workers").fork_server(args)  # for DataLoader workers, before any thread
     run = setup_devices(args)  # [dp]
     master = run.rank == 0  # one process: it prints and writes files
     run.out_dir = args.out_dir or os.path.join(
@@ -250,7 +250,7 @@ def main(args):
         return
     if master:
         announce(run)
-    with common.hangs_named(run):  # a rank that stops answering: named
+    with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
         for epoch in range(progress.epoch, args.epochs):
@@ -278,4 +278,4 @@ if __name__ == "__main__":
     parser.add_argument("--gather-outputs", action="store_true",
                         help="the classic way: loss on one GPU")  # [dp]
     # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
-    common.run(main, parser.parse_args)
+    common.run_and_exit(main, parser.parse_args)

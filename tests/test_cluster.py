@@ -266,7 +266,8 @@ def test_mpirun_trains_like_torchrun(flavour, reference, tmp_path):
 
 @pytest.mark.parametrize("flavour", ["openmpi", pytest.param("mpich", marks=pytest.mark.full)])
 def test_bad_input_under_mpirun_is_one_line_from_rank_0(flavour, tmp_path):
-    """Each rank refuses `--epochs 0`; only the one that mpirun calls rank 0 prints it (common.run reads its rank)."""
+    """Each rank refuses `--epochs 0`; only the one that mpirun calls rank 0 prints it (common.run_and_exit reads its
+    rank)."""
     proc = start(MPI_LAUNCH[flavour](free_port()) + [sys.executable, "ddp_launch_train.py", "--epochs", "0"],
                  tmp_path / "log")
     proc.wait(expect=None)

@@ -8,7 +8,7 @@ test_signals.py.
 
 A rank that stops answering is made by tests/hooks.py (TEST_HANG_AT): one rank sleeps after one optimizer step, in
 every Python process that starts with that environment. The ranks that wait for it name it ("rank N never
-arrived", common.hangs_named), rank 0 stuck as well as another: the store they meet on answers whoever is stuck
+arrived", train_extras/hangs.py), rank 0 stuck as well as another: the store they meet on answers whoever is stuck
 (torchrun's agent holds it, or a thread of rank 0's process). Only a launcher ends the stuck rank: it takes a
 SIGTERM only as a note to stop at its next check, which it never reaches, so the launcher's SIGKILL ends it at the
 end of its grace period (torchrun's 30 s, SLURM's KillWait)."""
@@ -252,7 +252,7 @@ def test_srun_reports_3_for_the_rank_that_waited_for_a_stuck_one(slurm, tmp_path
 @pytest.mark.parametrize("script, launcher, nproc", [("ddp_spawn_train.py", "python", 2),
                                                      ("fsdp_train.py", "torchrun", 2), ("dp_train.py", "python", None)])
 def test_a_finished_rank_leaves_without_the_interpreters_teardown(script, launcher, nproc, tmp_path):
-    """Every rank that finished ends by os._exit(0) (common.run), as every failing one does: the interpreter's
+    """Every rank that finished ends by os._exit(0) (common.run_and_exit), as every failing one does: the interpreter's
     teardown, where gloo's threads now and then abort a process that has finished (SIGABRT, 'terminate called
     without an active exception', exit 1), never runs. Real interpreters (a forked run would end as its fork server
     makes it)."""

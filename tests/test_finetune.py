@@ -149,7 +149,7 @@ def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, t
 
 def test_fine_tuning_flags_that_cannot_work_together_are_one_line_errors():
     """--pretrained and --weights: refused by the parser; --freeze-backbone alone: by finetune.prepare, on every rank
-    alike, before anything is trained. One line (common.run prints it once as `error:`), exit 2."""
+    alike, before anything is trained. One line (common.run_and_exit prints it once as `error:`), exit 2."""
     with pytest.raises(common.UsageError, match="argument --weights: not allowed with argument --pretrained") as e:
         common.get_parser("").parse_args(["--model", "resnet18", "--pretrained", "--weights", "x.pt"])
     assert e.value.code == 2 and len(str(e.value).splitlines()) == 1, e.value

@@ -92,7 +92,7 @@ def dump():
     json.dump(seen, open(os.path.join(os.environ["SEE_DIR"], f"{os.getpid()}.json"), "w"))
 atexit.register(dump)
 _exit = os._exit
-def dump_then_exit(code):  # the scripts leave by os._exit (common.run), which skips atexit
+def dump_then_exit(code):  # the scripts leave by os._exit (common.run_and_exit), which skips atexit
     dump()
     _exit(code)
 os._exit = dump_then_exit

@@ -26,7 +26,7 @@ def defaults(**change):
 
 
 def refused(argv):
-    """What the parser's refusal of `argv` says: a UsageError (exit status 2), which common.run prints once."""
+    """What the parser's refusal of `argv` says: a UsageError (exit status 2), which common.run_and_exit prints once."""
     with pytest.raises(common.UsageError) as e:
         common.get_parser("").parse_args(argv)
     assert e.value.code == 2 and len(str(e.value).splitlines()) == 1, e.value
@@ -187,8 +187,9 @@ def test_a_nan_stop_says_whether_an_older_checkpoint_is_there():
                          ({"epoch": 1}, "stopped, the last checkpoint is older$")]:
         progress = common.Progress(run, saved)
         progress.first_bad.fill_(3)  # the first NaN/inf step, as step_done notes it
-        with pytest.raises(common.UsageError, match=words):
+        with pytest.raises(common.NanLoss, match=words) as e:
             progress.check(every_rank=True)
+        assert e.value.code == 1
 
 
 def test_a_resume_with_other_flags_keeps_the_optimizers_state_and_takes_the_new_schedule(tmp_path):

@@ -25,9 +25,9 @@ def add_flags(parser):
 
 
 def prepare(model, run):
-    """`model` with the starting weights the flags ask for, frozen but for its head with
-    --freeze-backbone (common.fine_tune). --weights is read on rank 0 only (nodes need not share a
-    filesystem): DDP's wrapping, or the script, gives its weights to the others."""
+    """Returns `model` with the starting weights the flags ask for, frozen but for its head with
+    --freeze-backbone (called by the scripts' build_model). --weights is read on rank 0 only (nodes
+    need not share a filesystem): DDP's wrapping, or the script, gives its weights to the others."""
     args = run.args
     if not (args.pretrained or args.weights or args.freeze_backbone):
         return model

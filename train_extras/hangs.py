@@ -1,6 +1,6 @@
 """A collective that timed out names the ranks that never arrived (torch's error names neither
-the collective nor the rank): common.hangs_named uses this where the file is. Without it, every
-rank still ends, with torch's own timeout error and exit 3."""
+the collective nor the rank): the scripts' `with common.extra("hangs").named(run)` uses this where
+the file is. Without it, every rank still ends, with torch's own timeout error and exit 3."""
 import contextlib
 import time
 
@@ -22,9 +22,9 @@ def named(run):
             time.sleep(5)  # the other ranks' waits run out at about the same time
             arrived = [r for r in range(run.world_size) if run.store.check([f"hung/{r}"])]
         except Exception:  # noqa: BLE001 whatever the store raises: it went with rank 0
-            raise common.UsageError("a collective timed out, and the store is gone with rank 0, "
-                                    "which held it", 3, None) from None
+            raise common.Hang("a collective timed out, and the store is gone with rank 0, which "
+                              "held it", None) from None
         missing = ", ".join(str(r) for r in range(run.world_size) if r not in arrived)
         time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others read
-        raise common.UsageError(f"a collective timed out: rank {missing} never arrived", 3,
-                                min(arrived)) from None
+        raise common.Hang(f"a collective timed out: rank {missing} never arrived",
+                          min(arrived)) from None
