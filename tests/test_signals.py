@@ -46,8 +46,8 @@ SECONDS = 30
 
 
 def stopped(log, sig):
-    """The steps of the `stopped by <SIG> at step N` lines (rank 0's, once)."""
-    return [int(s) for s in re.findall(rf"stopped by {sig.name} at step (\d+), where last.pt was saved", log)]
+    """The steps of the `stopped by <SIG> at step N` lines (rank 0's, once): a line of its own, not an `error:`."""
+    return [int(s) for s in re.findall(rf"^stopped by {sig.name} at step (\d+), where last.pt was saved", log, re.M)]
 
 
 def position(ckpt, steps_per_epoch):
