@@ -308,7 +308,7 @@ def tabulate(plan, runs, ratios, differ, a):
             rs = runs[name, ws]
             row = {"name": name, "reference": ref[0], "world_size": ws, "launch": label,
                    "device": a.device, "precision": a.precision, "model": a.model, "shape": a.shape,
-                   "global_batch": a.batch_size, "steps": a.steps, "repeats": len(rs), "threads": threads,
+                   "global_batch": a.batch_size, "steps": a.steps, "repeats": a.repeats, "threads": threads,
                    **{k: None if rs[0][k] is None else statistics.median(x[k] for x in rs) for k in rs[0]},
                    "samples_per_s_runs": [x["samples_per_s"] for x in rs], "weights_differ": differ[name, ws]}
             if name == ref[0]:  # the reference against itself: each run over the median of its runs
@@ -387,8 +387,9 @@ def main(a):
                 before = after
         last = time.time() - t
         if a.json:  # after every repeat: a command stopped at its time limit keeps what it measured
+            so_far = argparse.Namespace(**{**vars(a), "repeats": r + 1})
             with open(a.json, "w") as f:
-                json.dump(tabulate(plan, runs, ratios, differ, a), f, indent=1)
+                json.dump(tabulate(plan, runs, ratios, differ, so_far), f, indent=1)
     table = tabulate(plan, runs, ratios, differ, a)
     show(table, a, threads)
     if a.json:
