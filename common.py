@@ -35,7 +35,6 @@ EXTRA_FLAGS = {  # the extras with flags of their own, and those flags
 class Ending(Exception):
     """Ends the run: one line, printed by rank `printer` (None: each rank that raises it), and the
     exit status of its kind (below)."""
-    code = 1
 
     def __init__(self, message, printer=0):
         super().__init__(message)
@@ -87,8 +86,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2; a flag of an extra not copied: its file
         words = set(message.replace("=", " ").split())
         for name, flags in EXTRA_FLAGS.items():
-            if message.startswith("unrecognized") and words & set(flags) and \
-                    isinstance(extra(name), NotCopied):
+            copied = not isinstance(extra(name), NotCopied)
+            if message.startswith("unrecognized") and words & set(flags) and not copied:
                 message += f" (a flag of train_extras/{name}.py: copy it and its __init__.py)"
         raise UsageError(f"{message} (see {self.prog} --help)")
 
@@ -151,7 +150,7 @@ def extra(name):
 
 
 class NotCopied:
-    """An extra not copied: its steps do nothing and return what they were given."""
+    """An extra not copied: its steps do nothing and return what they got."""
 
     def add_flags(self, parser):
         pass
@@ -550,7 +549,7 @@ def restore_rng(saved, run):
     states = saved.get("rng") or []
     if len(states) == run.world_size:
         torch.set_rng_state(states[run.rank]["cpu"])
-        if run.device.type != "cpu":  # the accelerator's too
+        if run.device.type != "cpu":
             for state in states[run.rank].get(run.device.type, []):
                 torch.get_device_module(run.device).set_rng_state(state, run.device)
     else:
@@ -757,8 +756,9 @@ def run_and_exit(main, parse_args):
         if received not in (0, getattr(signal, "SIGUSR1", None)):  # told to stop; a peer left
             code = 128 + received
         elif "timed out" in why.lower():  # a collective, a worker
-            code = say(Hang(f"{why} (--step-timeout): a rank or a worker stopped answering", None),
-                       rank)
+            hang = Hang(f"{why} (--step-timeout): a rank or a worker stopped answering",
+                        printer=None)
+            code = say(hang, rank)
         else:
             traceback.print_exc()
             code = 1

@@ -23,8 +23,8 @@ def named(run):
             arrived = [r for r in range(run.world_size) if run.store.check([f"hung/{r}"])]
         except Exception:  # noqa: BLE001 whatever the store raises: it went with rank 0
             raise common.Hang("a collective timed out, and the store is gone with rank 0, which "
-                              "held it", None) from None
+                              "held it", printer=None) from None
         missing = ", ".join(str(r) for r in range(run.world_size) if r not in arrived)
         time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others read
         raise common.Hang(f"a collective timed out: rank {missing} never arrived",
-                          min(arrived)) from None
+                          printer=min(arrived)) from None
