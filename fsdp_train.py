@@ -302,11 +302,12 @@ def save(run, blocking=False):
 
 
 def gathered(t, rank):
-    """Rank 0's whole copy of a tensor of the state, on its CPU (full_state_dict's gather crashes
-    on CUDA tensors over gloo: pytorch/pytorch#152645)."""
+    """Gathers a tensor of the state whole onto rank 0's CPU (None on the others): torch's
+    full_state_dict gather crashes on CUDA tensors over gloo (pytorch/pytorch#152645)."""
     if isinstance(t, DTensor):
         group = t.device_mesh.get_group(t.device_mesh.ndim - 1)  # HSDP: the last one shards
-        mine, rows = t.to_local(), -(-len(t) // group.size())  # the last rank's may be short
+        mine = t.to_local()
+        rows = math.ceil(len(t) / group.size())  # each rank's, padded: the last's may be short
         padded = mine.new_zeros(rows, *t.shape[1:])
         padded[:len(mine)] = mine
         parts = [torch.empty_like(padded) for _ in range(group.size())]
@@ -353,14 +354,14 @@ def held_bytes(run):
 def announce(run):
     """Rank 0's first line: how the run is set up, and the step a resume starts at."""
     common.start_output(run)
-    args = run.args  # [fsdp]
-    hsdp = (f"HSDP: {args.replicate} copies of "  # [fsdp]
-            f"{run.world_size // args.replicate} shards, ")
+    args, hsdp = run.args, ""  # [fsdp]
+    if args.replicate > 1:  # [fsdp]
+        hsdp = f"HSDP: {args.replicate} copies of {run.world_size // args.replicate} shards, "
     print(f"fsdp: {run.world_size} process{'es' * (run.world_size > 1)}, "  # [fsdp]
           f"backend {dist.get_backend()}, device {run.device.type}, global batch "
           f"{run.global_batch}, started by {run.launcher}, "
           f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
-          f"reshard after forward, {hsdp * (args.replicate > 1)}"
+          f"reshard after forward, {hsdp}"
           f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
           + (f", resuming at step {run.progress.step}" if run.progress.step else ""))
 
