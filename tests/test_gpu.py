@@ -83,8 +83,10 @@ if os.environ.get("SEE_SYNCS"):  # every host sync after the second optimizer st
                 seen["syncs"][ours[-1] if ours else "?"] = seen["syncs"].get(ours[-1] if ours else "?", 0) + 1
     warnings.showwarning, _ = note, warnings.simplefilter("always")
     steps = [0]
-    def after_step(*a):  # from step 3: DDP rebuilds its buckets once, in step 2's forward, and that copies the
-        steps[0] += 1    # bucket indices to the host (Reducer::sync_bucket_indices, non_blocking=false)
+    # watched from step 3: DDP rebuilds its buckets once, in step 2's forward, and that copies the bucket indices
+    # to the host (Reducer::sync_bucket_indices, non_blocking=false)
+    def after_step(*a):
+        steps[0] += 1
         if steps[0] == 2:
             torch.cuda.set_sync_debug_mode("warn")
     register_optimizer_step_post_hook(after_step)
