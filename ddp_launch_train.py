@@ -29,8 +29,8 @@ import common
 
 
 def setup_distributed(args):
-    """This process's rank and device, then the process group, joined by every rank before all else.
-    Its store is ours too: a rank that stops answering is named through it (hangs.py)."""
+    """Finds this process's rank and device, then joins the process group: every rank, before all
+    else."""
     # from the launcher's environment (torchrun, srun, mpirun, by hand), never a --local-rank flag
     rank, world_size, local_rank, local_world_size, launcher = common.launcher_env()
     backend = common.pick_backend(args)  # the device's: nccl on GPUs, gloo on the CPU
@@ -41,25 +41,20 @@ def setup_distributed(args):
     common.set_threads_and_math(local_world_size, args.deterministic)
     # 10 minutes for the start-up (data, downloads); then --step-timeout
     timeout, env = datetime.timedelta(minutes=10), os.environ
-    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: its agent holds the store
-    # restarts (torchrun --max-restarts): a fresh key prefix per attempt
-    if agent and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(
-            rank, world_size, timeout)
-    elif world_size > 1:  # (a lone process ignores a MASTER_ADDR in the shell: it needs no network)
-        if env["MASTER_PORT"] == "0":
-            raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
-                                    "give a free port, or --standalone")
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
-                              rank == 0 and not agent, timeout=timeout,
-                              use_libuv=os.name != "nt")  # (torch on Windows has no libuv)
-    else:  # a lone process needs no network
+    store = None  # env://: rank 0 holds the store at MASTER_ADDR:MASTER_PORT (or torchrun's agent)
+    if world_size == 1:  # a lone process needs no network, whatever MASTER_ADDR the shell holds
         store = dist.HashStore()
+    elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # torchrun --max-restarts
+        store = common.optional("restart", "torchrun --max-restarts").torchrun_store(
+            rank, world_size, timeout)  # each attempt meets under a key prefix of its own
+    elif env["MASTER_PORT"] == "0":  # torchrun's own store is on a port the OS picked
+        raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
+                                "give a free port, or --standalone")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
     return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
-                                 device=device, store=store if world_size > 1 else None,
-                                 launcher=launcher or "python")
+                                 device=device, launcher=launcher or "python")
 
 
 def build_data(run):

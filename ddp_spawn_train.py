@@ -30,20 +30,16 @@ import common
 
 
 def setup_distributed(args):  # [spawn]
-    """This child's rank (RANK: its number among the children) and device, then the process group,
-    which every rank joins first. Rank 0 holds the store on MASTER_ADDR/PORT: a rank that stops
-    answering is named through it."""
-    rank, world_size, env = int(os.environ["RANK"]), args.nprocs, os.environ
+    """Finds this child's rank (RANK: its number among the children) and device, then joins the
+    process group: every rank, before all else (env://: rank 0 holds the store at MASTER_ADDR:PORT,
+    which the parent set)."""
+    rank, world_size = int(os.environ["RANK"]), args.nprocs
     device = common.local_device(args.device, rank)  # and made current: NCCL and friends use it
     common.set_threads_and_math(world_size, args.deterministic)
     timeout = datetime.timedelta(minutes=10)  # start-up: data, downloads; then --step-timeout
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, rank == 0,
-                          timeout=timeout, use_libuv=os.name != "nt")  # (Windows torch: no libuv)
-    dist.init_process_group(args.backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size, timeout=timeout)
     return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=rank,
-                                 device=device, store=store if world_size > 1 else None,
-                                 launcher="mp.spawn")
+                                 device=device, launcher="mp.spawn")
 
 
 def build_data(run):

@@ -4,23 +4,27 @@ the file is. Without it, every rank still ends, with torch's own timeout error a
 import contextlib
 import time
 
+import torch.distributed as dist
+
 import common
 
 
 @contextlib.contextmanager
 def named(run):
-    """Each rank whose wait ran out marks itself in the store, waits for the others to, and reads
-    which never did."""
+    """Names the ranks that never arrived: each rank whose wait ran out marks itself in the store
+    the ranks met on, waits for the others to, and reads which never did."""
     try:
         yield
     except RuntimeError as e:
         why = str(e).lower().replace("timeout", "timed out")
-        if run.store is None or "timed out" not in why or "dataloader" in why:  # (a worker's: not)
+        if run.world_size == 1 or "timed out" not in why or "dataloader" in why:  # (a worker: no)
             raise
         try:
-            run.store.set(f"hung/{run.rank}", "")
+            # the process group's store (torch has no public name for it)
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"hung/{run.rank}", "")
             time.sleep(5)  # the other ranks' waits run out at about the same time
-            arrived = [r for r in range(run.world_size) if run.store.check([f"hung/{r}"])]
+            arrived = [r for r in range(run.world_size) if store.check([f"hung/{r}"])]
         except Exception:  # noqa: BLE001 whatever the store raises: it went with rank 0
             raise common.Hang("a collective timed out, and the store is gone with rank 0, which "
                               "held it", printer=None) from None
