@@ -1,7 +1,8 @@
-"""What the scripts share that does not depend on how their processes are launched. The extras
-(built-in data and models, fine-tuning...) are train_extras/'s, used only where their file is."""
+"""What the scripts share, however their processes are launched. The extras (built-in data and
+models, fine-tuning...) are train_extras/'s, used where their file is."""
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import errno
 import gc
@@ -21,7 +22,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 EXTRA_FLAGS = {  # the extras with flags of their own, and those flags
@@ -33,8 +34,7 @@ EXTRA_FLAGS = {  # the extras with flags of their own, and those flags
 
 
 class Ending(Exception):
-    """Ends the run: one line, printed by rank `printer` (None: each rank that raises it), and the
-    exit status of its kind (below)."""
+    """Ends the run with one line, printed by rank `printer` (None: each rank that raises it)."""
 
     def __init__(self, message, printer=0):
         super().__init__(message)
@@ -61,14 +61,12 @@ class Stopped(Ending):
         if step is not None:
             how = f"at step {step}, where last.pt was saved: --resume auto continues"
         super().__init__(f"stopped by {signal.Signals(signum).name} {how}")
-        self.code = 128 + signum
-        if signum == getattr(signal, "SIGUSR1", None):
-            self.code = 0
+        self.code = 0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum
 
 
 # ---- the command line: the same flags in every script
 def number(kind, low, above=False):
-    """An argparse type: a number at least `low` (above, if `above`), not NaN nor inf."""
+    """Returns an argparse type: a number at least `low` (above, if `above`), not NaN nor inf."""
     def parse(text):
         value = kind(text)
         if not ((low < value) if above else (low <= value)) or value == math.inf:
@@ -80,7 +78,7 @@ def number(kind, low, above=False):
 
 
 class Parser(argparse.ArgumentParser):
-    one_process = None  # why a launcher is wrong, for a script that starts its own processes
+    one_process = None  # why a launcher is wrong (a script that starts its own processes)
     collectives = True  # dp_train.py: no process group
 
     def error(self, message):  # one line, exit 2; a flag of an extra not copied: its file
@@ -102,13 +100,12 @@ class Parser(argparse.ArgumentParser):
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
-    def _get_help_string(self, action):  # each flag's default, where it has one
+    def _get_help_string(self, action):  # a flag's default, if any
         none = action.default in (None, False, argparse.SUPPRESS)
         return action.help + ("" if none else " (default: %(default)s)")
 
 
 def get_parser(doc):
-    """Every script's flags, and the copied extras'."""
     p = Parser(description=doc, formatter_class=Formatter)
     a, positive, above0 = p.add_argument, number(int, 1), number(float, 0, above=True)
     a("--epochs", type=positive, default=2, help="passes over the training set")
@@ -140,7 +137,7 @@ def get_parser(doc):
 
 
 def extra(name):
-    """Returns train_extras/<name>.py where it was copied, else a NotCopied."""
+    """Returns train_extras/<name>.py if copied, else a NotCopied."""
     try:
         return importlib.import_module(f"train_extras.{name}")
     except ModuleNotFoundError as e:
@@ -167,13 +164,38 @@ class NotCopied:
     def named(self, run):  # hangs.py's
         return contextlib.nullcontext()
 
+    def refuse_folder(self, path):  # sharded.py's
+        pass
+
 
 def optional(name, what):
-    """train_extras/<name>.py, which `what` needs, or one line."""
+    """Returns train_extras/<name>.py, which `what` needs, or refuses it in one line."""
     module = extra(name)
     if isinstance(module, NotCopied):
         raise UsageError(f"{what} needs train_extras/{name}.py (and its __init__.py): copy them")
     return module
+
+
+# ---- the run, declared once: setup_distributed fills the first fields, main the rest
+@dataclasses.dataclass(slots=True)  # slots: no field but these (a script's own: a subclass)
+class Run:
+    args: argparse.Namespace  # rank 0's flags, on every rank (same_flags)
+    rank: int  # rank 0 alone prints and writes files
+    world_size: int
+    local_rank: int  # on this machine: its accelerator
+    device: torch.device
+    launcher: str = "python"  # what started the processes
+    out_dir: str = ""
+    global_batch: int = 0  # samples per optimizer step, all ranks together
+    train_set: object = None  # (x, label) pairs
+    sampler: object = None  # the global order; this rank's part of it
+    steps_per_epoch: int = 0  # optimizer steps
+    val_loader: object = None  # this rank's share of the validation set
+    raw_model: torch.nn.Module = None  # as built: what is saved and evaluated
+    model: torch.nn.Module = None  # as trained: wrapped (DDP, DataParallel), maybe compiled
+    optimizer: torch.optim.Optimizer = None
+    scheduler: object = None  # the LR, per step
+    progress: "Progress" = None
 
 
 # ---- who this process is, and on what device, under every launcher
@@ -185,16 +207,18 @@ LAUNCHERS = {  # how a launcher names (rank, world size, local rank, local size)
 
 
 def launcher_env():
-    """(rank, world size, local rank, local size, launcher), from the environment."""
-    env = os.environ
-    launcher, names = next(((k, v) for k, v in LAUNCHERS.items() if {*v[:2]} & {*env}),
-                           (None, None))
-    if names is None:  # sbatch's own script has no SLURM_STEP_NUM_TASKS: a lone process
-        return srun_env(env) if "SLURM_STEP_NUM_TASKS" in env else (0, 1, 0, 1, None)
+    """Returns (rank, world size, local rank, local size, launcher) from the environment."""
+    env, launcher, names = os.environ, None, None
+    for name, variables in LAUNCHERS.items():  # the first whose rank or size is set
+        if variables[0] in env or variables[1] in env:
+            launcher, names = name, variables
+            break
+    if names is None and "SLURM_STEP_NUM_TASKS" in env:  # (not in sbatch's own script)
+        return srun_env(env)
+    if names is None:
+        return 0, 1, 0, 1, None  # a lone process
     if not (names[0] in env and names[1] in env):
         raise UsageError(f"{names[0]} and {names[1]} go together: set both")
-    if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a Kubernetes PyTorchJob
-        launcher = "env:// (no LOCAL_RANK: one process per machine)"
     if launcher == "torchrun" and any(a.startswith("--local") for a in sys.argv):
         launcher = "python -m torch.distributed.launch"
     world = int(env[names[1]])
@@ -206,7 +230,7 @@ def launcher_env():
 
 
 def srun_env(env):
-    """An srun task's: rank 0 is met on the step's first node."""
+    """Returns an srun task's (rank, ...); rank 0 is met on the step's first node."""
     counts = re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"])  # "8(x2),4"
     per_node = [int(n) for count, times in counts for n in [count] * int(times or 1)]
     first_node = re.match(r"[^,\[]+(\[[^,\-\]]+)?", env["SLURM_STEP_NODELIST"]).group(0)
@@ -225,11 +249,13 @@ def one_of_several():
 
 
 def device_type(asked, collectives=True):
-    """--device, or torch's accelerator (not MPS with collectives: pytorch/pytorch#160732)."""
+    """Returns --device, else torch's accelerator (not MPS with collectives: pytorch#160732)."""
     found = getattr(torch.accelerator.current_accelerator(check_available=True), "type", None)
     if asked not in (None, "cpu", found):
         raise UsageError(f"--device {asked}, but torch finds no {asked} device here")
-    return asked or (found if found and not (collectives and found == "mps") else "cpu")
+    if asked is None and found and not (collectives and found == "mps"):
+        asked = found  # the accelerator
+    return asked if asked else "cpu"
 
 
 def local_device(kind, local_rank):
@@ -241,26 +267,25 @@ def local_device(kind, local_rank):
 
 
 def pick_backend(args):
-    """--backend, else the device's; and gloo for the object collectives on the CPU."""
+    # --backend, else the device's; and gloo for the object collectives on the CPU
     backend = args.backend or dist.get_default_backend_for_device(args.device)
     return backend if backend == "gloo" else f"{args.device}:{backend},cpu:gloo"
 
 
 def same_flags(args, allowed=("out_dir", "data_dir", "workers", "tensorboard", "local_rank")):
-    """Every rank runs rank 0's flags, but the per-machine ones."""
+    """Refuses flags that differ from rank 0's (but the per-machine ones)."""
     mine = {k: v for k, v in vars(args).items() if k not in allowed}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, flags in enumerate(everyone):
-        differ = [k for k in everyone[0] if flags.get(k) != everyone[0][k]]
-        if differ:
-            k = differ[0]
-            raise UsageError(f"the ranks' flags differ: --{k.replace('_', '-')} is "
-                             f"{everyone[0][k]} on rank 0, {flags.get(k)} on rank {rank}")
+        for k in everyone[0]:
+            if flags.get(k) != everyone[0][k]:
+                raise UsageError(f"the ranks' flags differ: --{k.replace('_', '-')} is "
+                                 f"{everyone[0][k]} on rank 0, {flags.get(k)} on rank {rank}")
 
 
 def set_threads_and_math(local_world_size, deterministic):
-    """The cores shared among the machine's processes (torchrun: only with several)."""
+    """Shares the cores among the machine's processes (torchrun: only with several); TF32."""
     if "OMP_NUM_THREADS" not in os.environ:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux only
         cores = len(affinity(0)) if affinity else os.cpu_count()
@@ -271,22 +296,23 @@ def set_threads_and_math(local_world_size, deterministic):
 
 
 def on_rank0(fn, rank):
-    """fn() where `rank` is 0, while the others wait; its UsageError raised everywhere."""
-    result, errors = None, [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    try:
-        result = fn() if rank == 0 else None
-    except UsageError as e:
-        errors = [str(e)] * len(errors)
+    """Runs fn() on rank 0 while the others wait; its UsageError is raised on every rank."""
+    result, error = None, [None]
+    if rank == 0:
+        try:
+            result = fn()
+        except UsageError as e:
+            error = [str(e)]
     if dist.is_initialized():
-        dist.all_gather_object(errors, errors[0])
-    if any(errors):
-        raise UsageError(next(e for e in errors if e))
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
     return result
 
 
 # ---- the data and the model: replace these calls with your own Dataset and nn.Module
 def load_data_rank0_first(args, rank):
-    """load_data on rank 0, the one process that may download files, then on the others."""
+    # rank 0 first: the one process that may download files
     data = on_rank0(lambda: load_data(args, download=True), rank)
     if rank != 0:
         data = load_data(args)
@@ -294,47 +320,37 @@ def load_data_rank0_first(args, rank):
 
 
 def load_data(args, download=False):
-    """(train_set, val_set) of (x, label); download: the one process that may fetch files."""
+    """Returns (train_set, val_set) of (x, label): replace with your own Datasets."""
     return optional("datasets", "the built-in data").load(args, download)
 
 
 def make_model(args, data):
-    """train_extras/models.py's model for `data` (cnn by default)."""
+    """Returns train_extras/models.py's model for `data`: replace with your own nn.Module."""
     return optional("models", "the built-in models").for_data(args, data)
 
 
 def make_loader(ds, batches, run):
-    """Returns a DataLoader over `batches`. Tensors in memory: one index a batch, on the
-    accelerator if they fit. Its own generator: not the one dropout draws from."""
-    if not isinstance(ds, TensorDataset):
-        workers, start = run.args.workers, {}
-        if workers:
-            start = extra("workers").start(ds)
-        return DataLoader(ds, batch_sampler=batches, num_workers=workers,
-                          **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
-                          pin_memory=run.device.type != "cpu",
-                          timeout=run.args.step_timeout if workers else 0)
-    if run.device.type != "cpu" and sum(t.nbytes for t in ds.tensors) < 2**32:  # copied once
-        ds.tensors = tuple(t.to(run.device) for t in ds.tensors)
-    # the epoch's indices there at once (a list would wait for the device at every step)
-    index = torch.tensor([i for b in batches for i in b], dtype=torch.long,
-                         device=ds.tensors[0].device)
-    return DataLoader(ds, sampler=index.split([len(b) for b in batches]), batch_size=None,
-                      generator=torch.Generator())
+    """Returns a DataLoader over `batches`, its generator not the one dropout draws from."""
+    if hasattr(ds, "loader"):  # tensors in memory, whole batches at once (train_extras/datasets.py)
+        return ds.loader(batches, run)
+    workers, start = run.args.workers, {}
+    if workers:
+        start = extra("workers").start(ds)
+    return DataLoader(ds, batch_sampler=batches, num_workers=workers,
+                      **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
+                      pin_memory=run.device.type != "cpu",
+                      timeout=run.args.step_timeout if workers else 0)
 
 
 def deaf(_):
-    """Makes a DataLoader worker ignore the stop signals. A job's stop reaches every process, but
-    the trainer acts on it and ends its workers; torch's SIGTERM handler would end the worker, and
-    the trainer's loader with it: no save (Lightning-AI/pytorch-lightning#17899)."""
+    """Makes a DataLoader worker ignore stop signals: torch's would end it before its trainer saves
+    (Lightning-AI/pytorch-lightning#17899)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
 def end_workers():
-    """Kills the DataLoader workers (they ignore SIGTERM) on every way out: multiprocessing's
-    daemon children, not the spawn parent's ranks. SIGCHLD's handler goes first, or the loader
-    would report their deaths."""
+    """Kills the DataLoader workers, which ignore SIGTERM (first SIGCHLD's handler: no reports)."""
     if hasattr(signal, "SIGCHLD"):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
@@ -343,8 +359,7 @@ def end_workers():
 
 
 def nested(fn, x):
-    """Applies fn to every tensor of x: a tensor, or a dict, list or (named) tuple of them, nested
-    (what a tokenizer or a multi-input model takes)."""
+    """Applies fn to every tensor in x: nested dicts, lists, (named) tuples."""
     if isinstance(x, dict):
         return {k: nested(fn, v) for k, v in x.items()}
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
@@ -357,20 +372,18 @@ def nested(fn, x):
 
 
 def micro_batches(x, n):
-    """x split into n micro-batches along the batch dimension, whatever its structure."""
     return [nested(lambda t: t.chunk(n)[i], x) for i in range(n)]
 
 
 def to_device(run, ds, x, y):
-    """A batch on the device, `x` of any structure (nested); uint8 images made float there by their
-    `normalize`."""
+    """Moves a batch to the device (`x` of any structure), labels as class indices."""
     y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
     long = y.dtype if y.is_floating_point() else torch.long  # (float: the loss's own error)
     return nested(lambda t: input_on(run, ds, t), x), y.to(run.device, long, non_blocking=True)
 
 
 def input_on(run, ds, x):
-    """One tensor of a batch's input, on the device."""
+    """Moves one input tensor to the device; uint8 images made float there (their `normalize`)."""
     x = x.float() if x.dtype == torch.float64 else x  # numpy's default
     x = x.to(run.device, non_blocking=True)
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
@@ -380,7 +393,7 @@ def input_on(run, ds, x):
 
 
 def make_optimizer(args, model, steps_per_epoch):
-    """The optimizer and its per-step schedule: linear warmup, cosine to 0."""
+    """Returns the optimizer and its per-step schedule: linear warmup, cosine to 0."""
     params = [p for p in model.parameters() if p.requires_grad]
     kw = dict(weight_decay=args.weight_decay, foreach=True)
     optimizer = torch.optim.AdamW(params, args.lr, **kw) if args.optimizer == "adamw" else \
@@ -395,7 +408,7 @@ def make_optimizer(args, model, steps_per_epoch):
 
 # ---- checkpoints: written atomically, read on the CPU, checked before use
 def save_atomic(obj, path):
-    """A temporary file, fsynced, renamed over `path`: a kill mid-save leaves the previous one."""
+    """Saves obj to a temporary file, fsynced, renamed over `path`: a kill leaves the last one."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -410,7 +423,7 @@ def save_atomic(obj, path):
 
 
 def save_failed(path, e):
-    """Its line (a full disk inferred: torch's writer says only "unexpected pos")."""
+    """Returns the save's error line (a full disk inferred: torch says "unexpected pos")."""
     why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().split("\n")[0]
     with contextlib.suppress(OSError):
         if shutil.disk_usage(os.path.dirname(path) or ".").free < 2**20:
@@ -419,85 +432,91 @@ def save_failed(path, e):
 
 
 def read_checkpoint(path):
-    """A file's contents, on the CPU, tensors only (no code in it runs)."""
+    """Reads a checkpoint file on the CPU, tensors only (no code in it runs)."""
+    if os.path.isdir(path):  # no last.pt in it; sharded.py names a sharded checkpoint
+        extra("sharded").refuse_folder(path)
+        raise UsageError(f"--resume {path}: a folder that holds no checkpoint (no last.pt)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # whatever torch.load raises
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): missing, "
                          "truncated, or a pickled model (save its state_dict)?") from None
 
 
-def find_checkpoint(run):
-    """Rank 0, first: the checkpoint --resume names, checked, or None."""
-    args, path = run.args, os.path.join(run.out_dir, "last.pt")
-    if not args.resume or args.resume == "auto" and not os.path.exists(path):
-        earlier = earlier_run(run)
-        if args.resume:
-            print(f"--resume auto: no checkpoint in {run.out_dir}, starting afresh", flush=True)
-        return replace_earlier(earlier, run, None)
-    path = path if args.resume == "auto" else args.resume
-    if os.path.isfile(os.path.join(path, "last.pt")):  # its folder
-        path = os.path.join(path, "last.pt")
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
-        raise UsageError(f"--resume {path}: a folder that holds no checkpoint (no last.pt)")
-    if os.path.isdir(path):
-        raise UsageError(f"{path} is a sharded checkpoint: make it one file with python -m "
-                         f"train_extras.sharded {path} last.pt")
-    ckpt = read_checkpoint(path)
-    model = ckpt.get("model") if isinstance(ckpt, dict) else None
-    shapes = {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None
-    ckpt = check_fits(path, ckpt, shapes, run)
-    return replace_earlier(earlier_run(run), run, ckpt)
-
-
 def check_out_dir(run):
-    """Rank 0, before the data and the model are built: refuses an earlier run in --out-dir that
-    no flag asks for, and a folder that cannot be written."""
-    if os.path.isdir(run.out_dir):
-        earlier_run(run)
-        try:
-            tempfile.TemporaryFile(dir=run.out_dir).close()
-        except OSError as e:
-            raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}") from None
-
-
-def earlier_run(run):
-    """Rank 0: makes --out-dir; returns an earlier run's checkpoints there (last.pt, ckpt-<step>),
-    which only its own resume or --overwrite may replace, and whether --resume names them."""
+    """Rank 0, before anything is built: refuses an earlier run in --out-dir that no flag asks
+    for, and a folder not writable."""
     args, out = run.args, run.out_dir
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out-dir {out}: {e.strerror}") from None
-    found = sorted(n for n in os.listdir(out) if re.fullmatch(r"last\.pt|ckpt-\d+(\.tmp)?", n))
-    real = os.path.realpath(args.resume or "")
-    own = args.resume == "auto" or os.path.realpath(out) in (real, os.path.dirname(real))
+    own = resumes_own(args, out)
     if args.overwrite and args.resume and own:
         raise UsageError(f"--overwrite would delete the checkpoint that --resume {args.resume} "
                          "continues: drop one of the two")
+    if not os.path.isdir(out):
+        return
+    try:
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise UsageError(f"--out-dir {out}: {e.strerror}") from None
+    found = earlier_checkpoints(out)
     if found and args.resume and not (own or args.overwrite):  # a resume of another run's
         raise UsageError(f"{out} holds the {found[-1]} of another run, which this one would "
                          "replace: give another --out-dir, or --overwrite to replace it")
     if found and not (args.resume or args.overwrite):  # never replaced unasked
         raise UsageError(f"{out} holds the {found[-1]} of an earlier run: --resume auto "
                          "continues it, --overwrite replaces it, or give another --out-dir")
-    return found, own
 
 
-def replace_earlier(earlier, run, ckpt):
-    """Rank 0, once `ckpt` is accepted: deletes the earlier run on --overwrite, all of it (a later
-    --resume auto would continue what is left); returns `ckpt`, its row kept where metrics.jsonl
-    lacks it."""
-    found, own = earlier
-    if run.args.overwrite:
-        for name in found + ["metrics.jsonl"]:
-            path = os.path.join(run.out_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-    if ckpt and ckpt.get("row") and (not own or ckpt["row"]["step"] in [r["step"] for r in
-                                                                         rows(run)]):
+def earlier_checkpoints(out):
+    # last.pt, and fsdp_train.py's ckpt-<step> folders
+    return sorted(n for n in os.listdir(out) if re.fullmatch(r"last\.pt|ckpt-\d+(\.tmp)?", n))
+
+
+def resumes_own(args, out):
+    # 'auto', or its folder, or its last.pt
+    real = os.path.realpath(args.resume or "")
+    return args.resume == "auto" or os.path.realpath(out) in (real, os.path.dirname(real))
+
+
+def checkpoint_to_resume(run):
+    """Rank 0: the checkpoint --resume names, checked that this run can continue it (or None)."""
+    args, path = run.args, os.path.join(run.out_dir, "last.pt")
+    ckpt = None
+    if args.resume == "auto" and not os.path.exists(path):
+        print(f"--resume auto: no checkpoint in {run.out_dir}, starting afresh", flush=True)
+    elif args.resume:
+        path = path if args.resume == "auto" else args.resume
+        if os.path.isfile(os.path.join(path, "last.pt")):  # its folder
+            path = os.path.join(path, "last.pt")
+        ckpt = read_checkpoint(path)
+        model = ckpt.get("model") if isinstance(ckpt, dict) else None
+        shapes = {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None
+        ckpt = check_fits(path, ckpt, shapes, run)
+    take_over_out_dir(run)  # the checkpoint accepted
+    return drop_logged_row(run, ckpt)
+
+
+def take_over_out_dir(run):
+    """Rank 0: makes --out-dir; --overwrite deletes the earlier run there, all of it (--resume
+    auto would take the rest)."""
+    try:
+        os.makedirs(run.out_dir, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}") from None
+    if not run.args.overwrite:
+        return
+    for name in earlier_checkpoints(run.out_dir) + ["metrics.jsonl"]:
+        path = os.path.join(run.out_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def drop_logged_row(run, ckpt):
+    """Returns `ckpt`, without its row to evaluate if metrics.jsonl has it, or another run's."""
+    row = ckpt.get("row") if ckpt else None
+    if row and (row["step"] in [r["step"] for r in rows(run)] or
+                not resumes_own(run.args, run.out_dir)):
         ckpt["row"] = None
     return ckpt
 
@@ -522,17 +541,17 @@ def check_fits(path, ckpt, shapes, run):
         raise UsageError(f"{path} was trained with {saved} steps per epoch, this run has "
                          f"{run.steps_per_epoch}: the data changed; keep it, or use --weights")
     saved, now = ckpt.get("data", data_of(run)), data_of(run)  # its position names these samples
-    differ = [k for k in now if saved.get(k) != now[k]]
-    if differ:
-        k = differ[0]
+    for k in now:
         what = "training samples" if k == "samples" else "--" + k.replace("_", "-")
-        raise UsageError(f"{path} was trained on other data ({what} {saved.get(k)}, this run's "
-                         f"{now[k]}): keep them, or start from its weights with --weights")
+        if saved.get(k) != now[k]:
+            raise UsageError(f"{path} was trained on other data ({what} {saved.get(k)}, this "
+                             f"run's {now[k]}): keep them, or start from its weights with "
+                             "--weights")
     return ckpt
 
 
 def data_of(run):
-    """What a saved position (an epoch, a step in it) holds to: the data and its order."""
+    """Returns what a saved position (an epoch, a step in it) depends on: the data, its order."""
     a = run.args
     return {"seed": a.seed, "samples": len(run.train_set), "dataset": getattr(a, "dataset", None),
             "train_size": getattr(a, "train_size", None), "val_size": getattr(a, "val_size", None)}
@@ -545,7 +564,7 @@ def rng_state(device):
 
 
 def restore_rng(saved, run):
-    """This rank's generators as saved; at another world size, seeded from the position."""
+    """Restores this rank's generators; at another world size, seeds them from the position."""
     states = saved.get("rng") or []
     if len(states) == run.world_size:
         torch.set_rng_state(states[run.rank]["cpu"])
@@ -558,43 +577,56 @@ def restore_rng(saved, run):
 
 
 # ---- where training stands, what the ranks agree on, and rank 0's output
-received = 0  # the stop signal this process got (a handler's only way out is a global)
+received = 0  # the stop signal this process got (a handler's way out is a global)
 STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")
                 if hasattr(signal, n)]
 
 
 def note_signal(signum, _):
-    """Notes a stop: every rank saves and stops at the next check. A second Ctrl-C ends the run at
-    once, a second SIGTERM does not (torchrun passes each on; SLURM signals every process)."""
+    """Notes a stop signal for the next check. A second Ctrl-C ends the run at once, a second
+    SIGTERM does not (torchrun passes each on; SLURM signals every process)."""
     global received
     if signum == signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)
     received = max(received, signum)
 
 
+def catch_stop_signals():
+    """From now on, a stop signal saves and stops every rank at one step (unless ignored)."""
+    for sig in STOP_SIGNALS:
+        if not received and signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, note_signal)
+
+
+def set_step_timeout(seconds):
+    if dist.is_initialized():  # each collective may wait `seconds` (2.11: private); dp: none
+        set_timeout = getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)
+        set_timeout(datetime.timedelta(seconds=seconds))
+
+
 class Progress:
-    """Where training stands; the epoch's sums on the device, read only at the checks."""
+    """Counts where training stands; checks the ranks' NaN/inf and stop signals together (the
+    epoch's sums stay on the device till then)."""
     CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
     def __init__(self, run, saved=None):
         self.args, self.rank, self.device = run.args, run.rank, run.device
         self.scheduler, self.steps_per_epoch = run.scheduler, run.steps_per_epoch
-        self.global_batch, self.saved = run.global_batch, saved is not None  # a checkpoint
+        self.global_batch, self.saved = run.global_batch, saved is not None
         saved = saved or {"epoch": 0}
         self.epoch = saved["epoch"]
         self.saved_sums = [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
         self.step_in_epoch = saved.get("samples_in_epoch", 0) // self.global_batch
         self.step = self.epoch * self.steps_per_epoch + self.step_in_epoch
-        self.exact = torch.float32 if self.device.type == "mps" else torch.float64
+        self.first_step = self.step  # this process's first
+        self.exact = torch.float32 if self.device.type == "mps" else torch.float64  # the sums'
         self.first_bad = torch.full((), self.NEVER, dtype=self.exact, device=self.device)
         self.next_check, self.checked = self.step + 1, None
-        self.stopping, self.row = 0, saved.get("row")  # a signal agreed on; a row to evaluate
+        self.stopping, self.row = 0, saved.get("row")  # an agreed signal; a row to evaluate
         self.data = data_of(run)
+        self.epoch_done = self.last = self.save_due = False
 
     def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
-        for sig in STOP_SIGNALS:  # now there is something to save; not ignored ones (nohup, spawn)
-            if not received and signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, note_signal)
         self.row = None  # the epoch's metrics, once trained
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
@@ -605,26 +637,26 @@ class Progress:
         self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, leave=False,
                         desc=f"epoch {epoch + 1}", disable=None if self.rank == 0 else True)
 
-    def step_done(self, loss, norm=None):  # fp16's skipped steps (norm inf) count 0
+    def step_done(self, loss, norm=None):
+        """Counts a step (fp16's skipped ones: norm inf, counted 0); returns a stop signal that the
+        ranks agreed on at a check."""
         bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
         self.first_bad = torch.where(bad, self.step + 1, self.first_bad)
         self.loss_sum += loss
         if norm is not None:
             self.norm_sum += torch.nan_to_num(norm, 0.0, 0.0)
         self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
-        self.t0 = self.t0 or (self.clock(), self.step)  # from the end of the first step
+        if self.t0 is None:  # the time from the end of the first step
+            self.t0 = (self.clock(), self.step)
         self.bar.update()
+        self.epoch_done = self.step_in_epoch == self.steps_per_epoch
+        self.last = self.epoch_done or self.step == self.args.max_steps  # the caller saves
+        self.save_due = bool(self.args.save_every) and self.step % self.args.save_every == 0
         return self.check(every_rank=self.save_due or self.last)
 
-    epoch_done = property(lambda self: self.step_in_epoch == self.steps_per_epoch)
-    last = property(lambda self: self.epoch_done or self.step == self.args.max_steps)
-    save_due = property(lambda self: bool(self.args.save_every)
-                        and self.step % self.args.save_every == 0)
-
     def check(self, every_rank):
-        """Every --log-every steps (or CHECK_S s), or where all ask: one all-reduce of the first
-        NaN/inf step (stops all), a signal (returned), the seconds since the last one."""
-        args = self.args
+        """Every --log-every steps (or CHECK_S s), or where all ask: all-reduces the first NaN/inf
+        step (NanLoss) and a stop signal (returned)."""
         if not (every_rank or self.step >= self.next_check):
             return None
         since = time.monotonic() - self.checked[1] if self.checked else 0.0
@@ -632,32 +664,30 @@ class Progress:
                            torch.tensor([received, since]).to(self.device, self.exact)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if self.checked is None:  # start-up is over everywhere (2.11: set_timeout is private)
-                getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)(
-                    datetime.timedelta(seconds=args.step_timeout))
         first_bad = -flags[0].item()
         if first_bad < self.NEVER:
             older = "the last checkpoint is older" if self.saved else "nothing was saved"
             raise NanLoss(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}")
         per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf
-        every = min(args.log_every - self.step % args.log_every,
+        every = min(self.args.log_every - self.step % self.args.log_every,  # about CHECK_S apart
                     max(1, int(self.CHECK_S / max(per_step, 1e-9))))
         self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
-        if self.step % args.log_every == 0:  # in a log file, a line
-            values = {"loss": f"{self.last_loss.item():.4f}",
-                      "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
-                      "samples_per_s": f"{self.samples_per_s():.0f}"}
-            if self.rank == 0 and self.bar.disable and not self.epoch_done:
-                print(f"epoch {self.epoch + 1}: step {self.step_in_epoch} of "
-                      f"{self.steps_per_epoch}  " + "  ".join(map(" ".join, values.items())),
-                      flush=True)
-            self.bar.set_postfix(values, refresh=False)
+        if self.step % self.args.log_every == 0:
+            self.log_step()
         self.stopping = int(flags[1].item())
         return self.stopping
 
+    def log_step(self):
+        values = {"loss": f"{self.last_loss.item():.4f}",
+                  "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
+                  "samples_per_s": f"{self.samples_per_s():.0f}"}
+        if self.rank == 0 and self.bar.disable and not self.epoch_done:
+            print(f"epoch {self.epoch + 1}: step {self.step_in_epoch} of {self.steps_per_epoch}  "
+                  + "  ".join(map(" ".join, values.items())), flush=True)
+        self.bar.set_postfix(values, refresh=False)
+
     def stop_agreed(self):
-        """A stop signal that any rank got: all-reduced where no check is due (an evaluation's
-        end)."""
+        """Returns a stop signal that any rank got (an all-reduce where no check is due)."""
         flag = torch.tensor([received], dtype=self.exact, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -673,8 +703,8 @@ class Progress:
         self.t1 = self.clock()
 
     def epoch_row(self, **row):
-        """Fills the training half of the epoch's row, saved with its checkpoint before the
-        evaluation adds the rest (a run stopped then evaluates first on resume)."""
+        """Fills the training half of the epoch's row: saved with the checkpoint, evaluated after
+        (or first on resume)."""
         self.row = {"epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch,
                     "step": self.step, **row, "lr": self.scheduler.get_last_lr()[0],
                     "samples_per_s": self.samples_per_s(),
@@ -687,15 +717,15 @@ class Progress:
     def state(self, sums):
         self.saved = True
         epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
+        sums = sums if steps else [0.0, 0.0]
         return {"epoch": epoch, "step_in_epoch": steps,
                 "samples_in_epoch": steps * self.global_batch,
                 "steps_per_epoch": self.steps_per_epoch, "global_batch": self.global_batch,
-                "loss_sum": sums[0] if steps else 0.0, "grad_norm_sum": sums[1] if steps else 0.0,
-                "row": self.row, "data": self.data}
+                "loss_sum": sums[0], "grad_norm_sum": sums[1], "row": self.row, "data": self.data}
 
 
 def rows(run):
-    """Rank 0: metrics.jsonl's rows (not a half-written one)."""
+    """Rank 0: reads metrics.jsonl's rows (not a half-written one)."""
     path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
     if not os.path.exists(path):
         return found
@@ -708,8 +738,7 @@ def rows(run):
 
 
 def start_output(run):
-    """Rank 0: keeps in metrics.jsonl the rows of the epochs the checkpoint covers (a --max-steps
-    stop's mid-epoch row goes: the epoch's own comes)."""
+    """Rank 0: keeps in metrics.jsonl the rows of the epochs the checkpoint covers."""
     path = os.path.join(run.out_dir, "metrics.jsonl")
     if os.path.exists(path):
         kept = [r for r in rows(run) if r["epoch"] <= run.progress.epoch]
@@ -718,7 +747,7 @@ def start_output(run):
 
 
 def log_epoch(run, row):
-    """Rank 0: the epoch's row in metrics.jsonl, on screen, and with --tensorboard there."""
+    """Rank 0: writes the epoch's row to metrics.jsonl, the screen, and --tensorboard."""
     device = run.device
     peak = torch.accelerator.max_memory_allocated(device) if device.type in ("cuda", "xpu") else 0
     row = {**row, "peak_mem_mb": peak / 2**20 if peak else None}
@@ -739,7 +768,7 @@ def log_epoch(run, row):
           f"{row['samples_per_s']:.0f} samples/s", flush=True)
 
 
-# ---- how a run ends: an error one line, printed once, and its exit status
+# ---- how a run ends: one line, printed once, and its exit status
 def run_and_exit(main, parse_args):
     """Calls main(parse_args()) and exits: an ending is one line, printed once, and its status."""
     ranks = [n[0] for n in LAUNCHERS.values()] + ["SLURM_PROCID"]  # the launcher's rank 0 prints
@@ -775,7 +804,7 @@ def run_and_exit(main, parse_args):
 
 
 def say(e, rank):
-    """Prints `e` on its rank; returns its exit status."""
+    """Prints `e` on its printer's rank; returns its exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: neither a launcher's SIGTERM
     end_workers()  # nor the DataLoader's check of its workers cuts it short
     printer = e.printer in (None, rank)

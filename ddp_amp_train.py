@@ -12,10 +12,10 @@ amp.state_dict() did). Launched like ddp_launch_train.py (torchrun, srun, or one
 """
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import os
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,12 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+
+
+@dataclasses.dataclass(slots=True)
+class Run(common.Run):  # [amp] the run's fields, and mixed precision's
+    autocast: torch.autocast = None  # the forward's precision
+    scaler: torch.amp.GradScaler = None  # the fp16 loss scale (a no-op in bf16 and fp32)
 
 
 def setup_distributed(args):
@@ -57,8 +63,8 @@ def setup_distributed(args):
                                 "give a free port, or --standalone")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
-    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
-                                 device=device, launcher=launcher or "python")
+    return Run(args=args, rank=rank, world_size=world_size, local_rank=local_rank,  # [amp]
+               device=device, launcher=launcher or "python")
 
 
 def build_data(run):
@@ -109,7 +115,7 @@ def build_model(run):
 def resume(run):
     """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
     Returns the progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(run), run.rank)
+    ckpt = common.on_rank0(lambda: common.checkpoint_to_resume(run), run.rank)
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
     # broadcast fails on it
     meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])}
@@ -168,6 +174,8 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
+        if progress.step == progress.first_step + 1:  # all ranks passed their start-up (step 1's
+            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         # (common.Progress.check)
@@ -272,6 +280,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
+        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break

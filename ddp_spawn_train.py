@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -38,8 +37,8 @@ def setup_distributed(args):  # [spawn]
     common.set_threads_and_math(world_size, args.deterministic)
     timeout = datetime.timedelta(minutes=10)  # start-up: data, downloads; then --step-timeout
     dist.init_process_group(args.backend, rank=rank, world_size=world_size, timeout=timeout)
-    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=rank,
-                                 device=device, launcher="mp.spawn")
+    return common.Run(args=args, rank=rank, world_size=world_size, local_rank=rank,
+                      device=device, launcher="mp.spawn")
 
 
 def build_data(run):
@@ -85,7 +84,7 @@ def build_model(run):
 def resume(run):
     """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
     Returns the progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: common.find_checkpoint(run), run.rank)
+    ckpt = common.on_rank0(lambda: common.checkpoint_to_resume(run), run.rank)
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
     # broadcast fails on it
     meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])}
@@ -138,6 +137,8 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
+        if progress.step == progress.first_step + 1:  # all ranks passed their start-up (step 1's
+            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         # (common.Progress.check)
@@ -239,6 +240,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
+        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break

@@ -9,9 +9,9 @@ Here each GPU computes its own loss, so only per-GPU loss sums are gathered (--g
 classic way). Prefer DDP (ddp_launch_train.py), which this script copies but for the lines marked
 [dp]; a checkpoint of either resumes in the other.
 """
+import dataclasses
 import os
 import time
-import types
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,11 @@ class ModelWithLoss(nn.Module):
         y = y.to(out.device)  # --gather-outputs: the outputs came to --output-device
         return (F.cross_entropy(out.float(), y, reduction="sum")[None],
                 (out.argmax(1) == y).sum()[None])
+
+
+@dataclasses.dataclass(slots=True)
+class Run(common.Run):  # [dp] the run's fields, and DataParallel's
+    gpus: list = None  # the GPUs each batch is split over (none: the CPU or one other device)
 
 
 def setup_devices(args):
@@ -71,8 +76,7 @@ def setup_devices(args):
     common.set_threads_and_math(1, args.deterministic)
     # one process: rank 0 of 1, and no store (no collective to wait on: train_extras/hangs.py has
     # nothing to name)
-    return types.SimpleNamespace(args=args, rank=0, world_size=1, local_rank=0, device=device,
-                                 gpus=gpus, store=None)
+    return Run(args=args, rank=0, world_size=1, local_rank=0, device=device, gpus=gpus)
 
 
 def build_data(run):  # [dp]
@@ -113,7 +117,7 @@ def build_model(run):  # [dp]
 def resume(run):  # [dp]
     """A last.pt of any script, written by any number of processes: the progress it saved, or None
     (a fresh start)."""
-    ckpt = common.find_checkpoint(run)
+    ckpt = common.checkpoint_to_resume(run)
     if ckpt:
         # name-keyed, as every script writes it; one process holds it whole, so no full_state_dict
         # (which fails on an optimizer state without tensors, as SGD's without momentum: "Expected
@@ -147,7 +151,7 @@ def train_step(run, x, y):
 def train_one_epoch(run, epoch):
     """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
     returns the mean loss over its steps and the ranks."""
-    progress = run.progress  # [dp] (the batches are run.global_batch)
+    args, progress = run.args, run.progress
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
     run.sampler.set_epoch(epoch)
@@ -159,6 +163,8 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
+        if progress.step == progress.first_step + 1:  # all ranks passed their start-up (step 1's
+            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         # (common.Progress.check)
@@ -253,6 +259,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
+        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break

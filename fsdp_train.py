@@ -13,12 +13,12 @@ all-gathered just before its forward (and backward), its gradients reduce-scatte
 that own them, and each rank steps its own shard (docs/fsdp.md).
 """
 import argparse
+import dataclasses
 import datetime
 import math
 import os
 import re
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,12 @@ from torch.utils.data import BatchSampler, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+
+
+@dataclasses.dataclass(slots=True)
+class Run(common.Run):  # [fsdp] the run's fields, and FSDP's
+    sharded: object = None  # train_extras/sharded.py's checkpoints (--ckpt-format dcp), or None
+    grad_bytes: int = 0  # the gradients' bytes this rank holds, measured once
 
 
 def setup_distributed(args):
@@ -64,8 +70,8 @@ def setup_distributed(args):
                                 "give a free port, or --standalone")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
-    return types.SimpleNamespace(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
-                                 device=device, launcher=launcher or "python")
+    return Run(args=args, rank=rank, world_size=world_size, local_rank=local_rank,  # [fsdp]
+               device=device, launcher=launcher or "python")
 
 
 def build_data(run):
@@ -120,13 +126,12 @@ def shard(model, mesh, precision, reshard_after_forward):
     """fully_shard bottom-up: each top-level child with parameters a group, all-gathered in one
     collective just before it runs (resnet: conv1, layer1..layer4, fc); then the root, for what is
     left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32; each
-    BatchNorm a group that computes in fp32 and hands bf16 on (torch 2.15's
-    param_dtype_override_fn would need no group each)."""
+    BatchNorm a group that computes in fp32 and hands bf16 on."""
     kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), \
         torch.nn.modules.batchnorm._BatchNorm
     bf16 = torch.bfloat16 if precision == "bf16" else None  # None: computed as they are, in fp32
-    for m in model.modules() if bf16 else ():
-        if isinstance(m, bn):
+    for m in model.modules():
+        if bf16 and isinstance(m, bn):
             fully_shard(m, **kw, mp_policy=MixedPrecisionPolicy(
                 torch.float32, torch.float32, output_dtype=bf16))
     mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32 if bf16 else None)
@@ -137,23 +142,22 @@ def shard(model, mesh, precision, reshard_after_forward):
     fully_shard(model, **kw, mp_policy=mp)
 
 
-def find_checkpoint(run):
-    """Rank 0: common.find_checkpoint's, or where there are sharded ones (ckpt-<step> folders,
-    --ckpt-format dcp), train_extras/sharded.py's: --resume auto takes the highest step of last.pt
-    and them."""
+def checkpoint_to_resume(run):
+    """Rank 0: common.checkpoint_to_resume's, or train_extras/sharded.py's where there are
+    ckpt-<step> folders (--ckpt-format dcp; --resume auto: the highest step of them and last.pt)."""
     out_dir = run.out_dir
     folders = os.path.isdir(out_dir) and \
         any(re.fullmatch(r"ckpt-\d+(\.tmp)?", n) for n in os.listdir(out_dir))
     resume = run.args.resume or ""
     if folders or os.path.isdir(resume) and not os.path.isfile(os.path.join(resume, "last.pt")):
         return common.optional("sharded", "a sharded checkpoint (ckpt-<step> folder)").find(run)
-    return common.find_checkpoint(run)
+    return common.checkpoint_to_resume(run)
 
 
 def resume(run):
     """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
     Returns the progress it saved, or None for a fresh start."""
-    ckpt = common.on_rank0(lambda: find_checkpoint(run),
+    ckpt = common.on_rank0(lambda: checkpoint_to_resume(run),
                            run.rank)  # [fsdp] last.pt, or a ckpt-<step> folder's meta
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
     # broadcast fails on it
@@ -226,6 +230,8 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
+        if progress.step == progress.first_step + 1:  # all ranks passed their start-up (step 1's
+            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         # (common.Progress.check)
@@ -277,9 +283,9 @@ def pad_forwards(run):
 def save(run, blocking=False):
     """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole
     training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
-    in any script, at any number of processes, with or without a GPU, and into a plain model with
-    weights_only=True. --ckpt-format dcp: a ckpt-<step> folder of each rank's shards instead
-    (train_extras/sharded.py; --async-save in the background)."""
+    in any script, at any number of processes, on any device, with weights_only=True.
+    --ckpt-format dcp: a ckpt-<step> folder of each rank's shards instead (train_extras/sharded.py;
+    --async-save in the background)."""
     progress = run.progress
     sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
@@ -386,6 +392,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
+        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break
@@ -429,8 +436,7 @@ if __name__ == "__main__":
     parser.add_argument("--replicate", type=common.number(int, 1), default=1, metavar="R",  # [fsdp]
                         help="HSDP: R copies of the model, each sharded over N/R ranks "
                         "(e.g. R = the machines)")
-    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N
-    # before the script's own arguments: accepted, not listed, and ignored; the rank comes from
-    # LOCAL_RANK, which it also sets
+    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N:
+    # accepted, not listed, and ignored (the rank comes from LOCAL_RANK, which it also sets)
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     common.run_and_exit(main, parser.parse_args)

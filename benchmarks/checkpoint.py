@@ -90,7 +90,7 @@ def main():
         args.ckpt_format, args.async_save = "file", False
     run = script.setup_distributed(args)
     rank, world_size = run.rank, run.world_size
-    run.global_batch, run.sharded = args.batch_size * world_size, None
+    run.global_batch = args.batch_size * world_size
     script.build_data(run)
     script.build_model(run)  # the model (sharded or wrapped), its optimizer and schedule
     x, y = (t[:args.batch_size].to(run.device) for t in run.train_set.tensors)
@@ -123,7 +123,9 @@ def main():
     results = {name: [] for name in formats}
     for repeat in range(bench.repeats):
         for name, (out_dir, saver) in formats.items():
-            run.out_dir, run.sharded = out_dir, saver
+            run.out_dir = out_dir
+            if fsdp:  # (the DDP scripts' runs have no such field)
+                run.sharded = saver
             progress.step += 1  # a new ckpt-<step> folder each time
             memory = Resident()
             dist.barrier()

@@ -133,18 +133,18 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     torch.save(ten, tmp_path / "ten.pt")
     args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
     with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes"):
-        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64,
+        common.checkpoint_to_resume(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64,
                                    steps_per_epoch=8, train_set=range(512)))
     with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
-        common.find_checkpoint(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=32,
+        common.checkpoint_to_resume(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=32,
                                   steps_per_epoch=8, train_set=range(512)))
     run = ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=64, steps_per_epoch=8,
              train_set=range(512))
-    assert common.find_checkpoint(run)["global_batch"] == 64
+    assert common.checkpoint_to_resume(run)["global_batch"] == 64
     torch.save({**ten, "steps_per_epoch": 16}, tmp_path / "ten.pt")  # a data set twice the size
     with pytest.raises(common.UsageError, match="ten.pt was trained with 16 steps per epoch, this run has 8: the "
                                                 "data changed"):
-        common.find_checkpoint(run)
+        common.checkpoint_to_resume(run)
 
 
 def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
@@ -153,21 +153,21 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     model, out = models.make("cnn", 1, 10), str(tmp_path / "out")
     run = ns(args=defaults(resume="auto"), out_dir=out, raw_model=model, global_batch=64, steps_per_epoch=8,
              train_set=range(512))
-    assert common.find_checkpoint(run) is None
+    assert common.checkpoint_to_resume(run) is None
     assert capsys.readouterr().out == f"--resume auto: no checkpoint in {out}, starting afresh\n"
     (tmp_path / "data").mkdir()  # a typo, the data folder: no checkpoint, and no sharded one either
     run.args = defaults(resume=str(tmp_path / "data"))
     with pytest.raises(common.UsageError, match=f"--resume {tmp_path / 'data'}: a folder that holds no checkpoint"):
-        common.find_checkpoint(run)
+        common.checkpoint_to_resume(run)
     (tmp_path / "old").mkdir()
     torch.save({"model": model.state_dict(), "optimizer": {}, "args": {"optimizer": "sgd"}, "global_batch": 64},
                tmp_path / "old" / "last.pt")
     run.args = defaults(resume=str(tmp_path / "old"))
-    assert common.find_checkpoint(run)["args"] == {"optimizer": "sgd"}
+    assert common.checkpoint_to_resume(run)["args"] == {"optimizer": "sgd"}
     run.args = defaults(resume=str(tmp_path / "old"), optimizer="adamw")
     with pytest.raises(common.UsageError, match="old/last.pt was trained with --optimizer sgd: to start adamw from "
                                                 "its weights, give it to --weights$"):
-        common.find_checkpoint(run)
+        common.checkpoint_to_resume(run)
 
 
 def test_a_checkpoint_keeps_its_position_in_samples():

@@ -6,7 +6,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import common
 
@@ -90,9 +90,7 @@ def synthetic_sets(args):
     (xt, yt), (xv, yv) = (synthetic(n, args.seed + k, (c, h, w)) for n, k in
                           ((args.train_size or 10000, 0), (args.val_size or 2000, 10**6)))
     mean, std = xt.mean(), xt.std()
-    sets = TensorDataset((xt - mean) / std, yt), TensorDataset((xv - mean) / std, yv)
-    sets[0].classes = sets[1].classes = 10
-    return sets
+    return InMemory((xt - mean) / std, yt, 10), InMemory((xv - mean) / std, yv, 10)
 
 
 def random_subset(n_all, n, seed, flag):
@@ -106,16 +104,27 @@ def random_subset(n_all, n, seed, flag):
         .sort().values.tolist()
 
 
-# ---- MNIST and CIFAR-10: small enough to hold in memory, normalized once
+# ---- synthetic data, MNIST and CIFAR-10: in memory, normalized once
 class InMemory(TensorDataset):
-    """Normalized images and labels in memory. ds[list of indices] is a whole batch
-    (common.make_loader's fast path: one tensor index, no per-sample Python); `augment`: a random
-    crop and flip per sample, drawn from (seed, epoch, index), done on the batch where the tensors
-    are (on the GPU, if make_loader moved them there)."""
+    """Normalized images and labels in memory. ds[list of indices] is a whole batch (`loader`: one
+    tensor index, no per-sample Python); `augment`: a random crop and flip per sample, drawn from
+    (seed, epoch, index), done on the batch where the tensors are (on the GPU, if `loader` moved
+    them there)."""
 
     def __init__(self, x, y, classes, augment=False, seed=0):
         super().__init__(x, y)
         self.classes, self.augment, self.seed, self.epoch = classes, augment, seed, 0
+
+    def loader(self, batches, run):
+        """Returns common.make_loader's DataLoader: one index a batch, on the accelerator if the
+        tensors fit. Its own generator: not the one dropout draws from."""
+        if run.device.type != "cpu" and sum(t.nbytes for t in self.tensors) < 2**32:  # once
+            self.tensors = tuple(t.to(run.device) for t in self.tensors)
+        # the epoch's indices there at once (a list would wait for the device at every step)
+        index = torch.tensor([i for b in batches for i in b], dtype=torch.long,
+                             device=self.tensors[0].device)
+        return DataLoader(self, sampler=index.split([len(b) for b in batches]), batch_size=None,
+                          generator=torch.Generator())
 
     def set_epoch(self, epoch):
         self.epoch = epoch

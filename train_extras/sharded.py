@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import sys
-import types
+import dataclasses
 import warnings
 
 import torch
@@ -53,7 +53,7 @@ def step(path, run):
     try:
         c = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return c["epoch"] * run.steps_per_epoch + c.get("samples_in_epoch", 0) // run.global_batch
-    except Exception:  # noqa: BLE001 unreadable: not taken (alone, common.find_checkpoint says why)
+    except Exception:  # unreadable: not taken (alone, common.checkpoint_to_resume says why)
         return -1
 
 
@@ -120,26 +120,37 @@ class Saver:
 
 
 def find(run):
-    """Rank 0, before anything is written: what --resume names, or with 'auto' the highest step of
-    last.pt and complete folders; a folder's metadata (read) or a last.pt (common.find_checkpoint),
-    checked. Saves cut short go."""
+    """Rank 0: the checkpoint to resume, as common.checkpoint_to_resume finds it, sharded folders
+    too: what --resume names, or with 'auto' the highest step of last.pt and complete folders.
+    Saves cut short go."""
     args, out_dir = run.args, run.out_dir
-    earlier = common.earlier_run(run)  # which may not be replaced, or all of it with --overwrite
-    for name in os.listdir(out_dir):
-        if re.fullmatch(r"ckpt-\d+\.tmp", name):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-    found, last, path = folders(out_dir), os.path.join(out_dir, "last.pt"), args.resume
+    found, last, path = [], os.path.join(out_dir, "last.pt"), args.resume
+    if os.path.isdir(out_dir):
+        for name in os.listdir(out_dir):
+            if re.fullmatch(r"ckpt-\d+\.tmp", name):
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        found = folders(out_dir)
     if args.resume == "auto":
         path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
-        return common.replace_earlier(earlier, run, read(path, run))
-    return common.find_checkpoint(types.SimpleNamespace(
-        **{**vars(run), "args": argparse.Namespace(**{**vars(args), "resume": path})}))
+        ckpt = read(path, run)
+        common.take_over_out_dir(run)  # now that it is accepted
+        return common.drop_logged_row(run, ckpt)
+    resume_file = argparse.Namespace(**{**vars(args), "resume": path})
+    return common.checkpoint_to_resume(dataclasses.replace(run, args=resume_file))
+
+
+def refuse_folder(path):
+    """Refuses a sharded checkpoint given to a script that reads only last.pt: one line that says
+    how to make it one file (common.read_checkpoint)."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        raise common.UsageError(f"{path} is a sharded checkpoint: make it one file with python -m "
+                                f"train_extras.sharded {path} last.pt")
 
 
 def read(path, run):
     """Rank 0: a folder's metadata (all but the model and optimizer) with "sharded": its path,
-    checked against this run as common.find_checkpoint checks a last.pt."""
+    checked against this run as common.checkpoint_to_resume checks a last.pt."""
     saved = metadata(path)
     # {flattened name: its path in the state dict, e.g. ("model", "fc1.weight")}
     names = saved.planner_data
