@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-EXTRA_FLAGS = {  # the extras with flags of their own, and those flags
+EXTRA_FLAGS = {  # each extra's flags
     "datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
                  "--synthetic-shape"),
     "models": ("--model",),
@@ -100,7 +100,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
-    def _get_help_string(self, action):  # a flag's default, if any
+    def _get_help_string(self, action):  # with the flag's default
         none = action.default in (None, False, argparse.SUPPRESS)
         return action.help + ("" if none else " (default: %(default)s)")
 
@@ -169,7 +169,7 @@ class NotCopied:
 
 
 def optional(name, what):
-    """Returns train_extras/<name>.py, which `what` needs, or refuses it in one line."""
+    """Returns train_extras/<name>.py, which `what` needs (else one line)."""
     module = extra(name)
     if isinstance(module, NotCopied):
         raise UsageError(f"{what} needs train_extras/{name}.py (and its __init__.py): copy them")
@@ -184,7 +184,7 @@ class Run:
     world_size: int
     local_rank: int  # on this machine: its accelerator
     device: torch.device
-    launcher: str = "python"  # what started the processes
+    launcher: str = "python"
     out_dir: str = ""
     global_batch: int = 0  # samples per optimizer step, all ranks together
     train_set: object = None  # (x, label) pairs
@@ -219,6 +219,8 @@ def launcher_env():
         return 0, 1, 0, 1, None  # a lone process
     if not (names[0] in env and names[1] in env):
         raise UsageError(f"{names[0]} and {names[1]} go together: set both")
+    if launcher == "torchrun" and "LOCAL_RANK" not in env:  # a Kubernetes PyTorchJob
+        launcher = "env:// (no LOCAL_RANK: one process per machine)"
     if launcher == "torchrun" and any(a.startswith("--local") for a in sys.argv):
         launcher = "python -m torch.distributed.launch"
     world = int(env[names[1]])
@@ -325,7 +327,7 @@ def load_data(args, download=False):
 
 
 def make_model(args, data):
-    """Returns train_extras/models.py's model for `data`: replace with your own nn.Module."""
+    """Returns the built-in model for `data` (train_extras/models.py): replace with yours."""
     return optional("models", "the built-in models").for_data(args, data)
 
 
@@ -343,7 +345,7 @@ def make_loader(ds, batches, run):
 
 
 def deaf(_):
-    """Makes a DataLoader worker ignore stop signals: torch's would end it before its trainer saves
+    """Makes a DataLoader worker ignore stop signals: its trainer saves, then ends it
     (Lightning-AI/pytorch-lightning#17899)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -383,7 +385,7 @@ def to_device(run, ds, x, y):
 
 
 def input_on(run, ds, x):
-    """Moves one input tensor to the device; uint8 images made float there (their `normalize`)."""
+    """Moves one input tensor to the device (uint8 images: made float there)."""
     x = x.float() if x.dtype == torch.float64 else x  # numpy's default
     x = x.to(run.device, non_blocking=True)
     x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
@@ -479,8 +481,7 @@ def resumes_own(args, out):
 
 def checkpoint_to_resume(run):
     """Rank 0: the checkpoint --resume names, checked that this run can continue it (or None)."""
-    args, path = run.args, os.path.join(run.out_dir, "last.pt")
-    ckpt = None
+    args, path, ckpt = run.args, os.path.join(run.out_dir, "last.pt"), None
     if args.resume == "auto" and not os.path.exists(path):
         print(f"--resume auto: no checkpoint in {run.out_dir}, starting afresh", flush=True)
     elif args.resume:
@@ -577,14 +578,14 @@ def restore_rng(saved, run):
 
 
 # ---- where training stands, what the ranks agree on, and rank 0's output
-received = 0  # the stop signal this process got (a handler's way out is a global)
+received = 0  # the stop signal this process got (set by its handler)
 STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")
                 if hasattr(signal, n)]
 
 
 def note_signal(signum, _):
-    """Notes a stop signal for the next check. A second Ctrl-C ends the run at once, a second
-    SIGTERM does not (torchrun passes each on; SLURM signals every process)."""
+    """Notes a stop signal. A second Ctrl-C ends the run at once, a second SIGTERM does not
+    (torchrun passes each on; SLURM signals every process)."""
     global received
     if signum == signal.SIGINT:
         signal.signal(signum, signal.SIG_DFL)
@@ -599,14 +600,14 @@ def catch_stop_signals():
 
 
 def set_step_timeout(seconds):
-    if dist.is_initialized():  # each collective may wait `seconds` (2.11: private); dp: none
+    if dist.is_initialized():  # each collective may wait `seconds` (torch 2.11: private)
         set_timeout = getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)
         set_timeout(datetime.timedelta(seconds=seconds))
 
 
 class Progress:
     """Counts where training stands; checks the ranks' NaN/inf and stop signals together (the
-    epoch's sums stay on the device till then)."""
+    sums stay on the device till then)."""
     CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
     def __init__(self, run, saved=None):

@@ -40,8 +40,8 @@ def setup_distributed(args):
     common.set_threads_and_math(local_world_size, args.deterministic)
     # 10 minutes for the start-up (data, downloads); then --step-timeout
     timeout, env = datetime.timedelta(minutes=10), os.environ
-    store = None  # env://: rank 0 holds the store at MASTER_ADDR:MASTER_PORT (or torchrun's agent)
-    if world_size == 1:  # a lone process needs no network, whatever MASTER_ADDR the shell holds
+    store = None  # env://: rank 0's store (or torchrun's) at MASTER_ADDR:MASTER_PORT
+    if world_size == 1:  # a lone process: no network, whatever MASTER_ADDR says
         store = dist.HashStore()
     elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
             int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # torchrun --max-restarts
@@ -109,11 +109,15 @@ def resume(run):
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model
         # there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
+        model_state, optimizer_state = {}, {}  # rank 0 sends them, the others receive
+        if run.rank == 0:
+            model_state, optimizer_state = ckpt["model"], ckpt["optimizer"]
+        set_model_state_dict(run.raw_model, model_state, options=options)
         whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
-        set_optimizer_state_dict(run.raw_model, run.optimizer,
-                                 whole or (ckpt["optimizer"] if run.rank == 0 else {}),
-                                 options=StateDictOptions() if whole else options)
+        if whole:
+            set_optimizer_state_dict(run.raw_model, run.optimizer, whole)
+        else:
+            set_optimizer_state_dict(run.raw_model, run.optimizer, optimizer_state, options=options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout etc. draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run)
@@ -255,7 +259,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
-        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
+        common.catch_stop_signals()  # from here on, a stop signal saves and stops
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break

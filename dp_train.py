@@ -259,7 +259,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
-        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
+        common.catch_stop_signals()  # from here on, a stop signal saves and stops
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break

@@ -36,8 +36,8 @@ import common
 
 @dataclasses.dataclass(slots=True)
 class Run(common.Run):  # [fsdp] the run's fields, and FSDP's
-    sharded: object = None  # train_extras/sharded.py's checkpoints (--ckpt-format dcp), or None
-    grad_bytes: int = 0  # the gradients' bytes this rank holds, measured once
+    sharded: object = None  # --ckpt-format dcp's writer (train_extras/sharded.py), or None
+    grad_bytes: int = 0  # this rank's part of the gradients, in bytes (metrics.jsonl)
 
 
 def setup_distributed(args):
@@ -58,8 +58,8 @@ def setup_distributed(args):
     common.set_threads_and_math(local_world_size, args.deterministic)
     # 10 minutes for the start-up (data, downloads); then --step-timeout
     timeout, env = datetime.timedelta(minutes=10), os.environ
-    store = None  # env://: rank 0 holds the store at MASTER_ADDR:MASTER_PORT (or torchrun's agent)
-    if world_size == 1:  # a lone process needs no network, whatever MASTER_ADDR the shell holds
+    store = None  # env://: rank 0's store (or torchrun's) at MASTER_ADDR:MASTER_PORT
+    if world_size == 1:  # a lone process: no network, whatever MASTER_ADDR says
         store = dist.HashStore()
     elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
             int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # torchrun --max-restarts
@@ -172,11 +172,15 @@ def resume(run):
         # two calls, not set_state_dict: given empty dicts on ranks > 0, that one skips the model
         # there and hangs
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(run.raw_model, ckpt["model"] if run.rank == 0 else {}, options=options)
+        model_state, optimizer_state = {}, {}  # rank 0 sends them, the others receive
+        if run.rank == 0:
+            model_state, optimizer_state = ckpt["model"], ckpt["optimizer"]
+        set_model_state_dict(run.raw_model, model_state, options=options)
         whole = meta[0].get("optimizer")  # on every rank already: nothing to send or shard
-        set_optimizer_state_dict(run.raw_model, run.optimizer,
-                                 whole or (ckpt["optimizer"] if run.rank == 0 else {}),
-                                 options=StateDictOptions() if whole else options)
+        if whole:
+            set_optimizer_state_dict(run.raw_model, run.optimizer, whole)
+        else:
+            set_optimizer_state_dict(run.raw_model, run.optimizer, optimizer_state, options=options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
         # dropout etc. draw from each rank's generators: as they were, to go on as if never stopped
         common.restore_rng(meta[0], run)
@@ -187,14 +191,13 @@ def train_step(run, x, y):
     """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
     the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
-    # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad. FSDP's no_sync
-    # (set_requires_gradient_sync(False)) would keep full-size gradients on every rank instead,
-    # which FSDP is here to avoid
+    # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad; FSDP's no_sync
+    # (set_requires_gradient_sync(False)) would keep full-size gradients on every rank
     for xm, ym in zip(common.micro_batches(x, accum), y.chunk(accum)):  # [fsdp]
         loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
-    # this rank's part of the gradients, between backward and zero_grad (metrics.jsonl)
+    # between backward and zero_grad: this rank's part of the gradients
     run.grad_bytes = local_bytes(
         p.grad for p in run.raw_model.parameters() if p.grad is not None)  # [fsdp]
     norm = clip_grad_norm(run.raw_model.parameters(), run.args.clip_grad) \
@@ -206,9 +209,9 @@ def train_step(run, x, y):
 
 
 def clip_grad_norm(params, max_norm):
-    """The gradients scaled down to a global norm (over all ranks and shards) of at most max_norm;
-    returns the norm before clipping. Each rank's is a DTensor's partial sum: full_tensor() adds it
-    up over the ranks (torch's clip_grad_norm_ returns the partial norm, pytorch/pytorch#170862)."""
+    """Clips the gradients to a global norm (all ranks and shards) of max_norm; returns the norm
+    before. A rank's is a DTensor's partial sum, which full_tensor() adds up (torch's
+    clip_grad_norm_ returns the partial one: pytorch/pytorch#170862)."""
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -392,7 +395,7 @@ def main(args):
     with common.extra("hangs").named(run):  # a rank that stops answering: named
         if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
-        common.catch_stop_signals()  # from here a stop signal saves: there is something to save
+        common.catch_stop_signals()  # from here on, a stop signal saves and stops
         for epoch in range(progress.epoch, args.epochs):
             if progress.step >= end:  # --max-steps
                 break
