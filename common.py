@@ -606,8 +606,7 @@ def set_step_timeout(seconds):
 
 
 class Progress:
-    """Counts where training stands; checks the ranks' NaN/inf and stop signals together (the
-    sums stay on the device till then)."""
+    """Counts where training stands; checks the ranks' NaN/inf and stop signals together."""
     CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
     def __init__(self, run, saved=None):
@@ -632,7 +631,7 @@ class Progress:
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums = torch.tensor(sums, dtype=self.exact, device=self.device)
-        self.loss_sum, self.norm_sum = self.sums.unbind()  # views: one add a step each
+        self.loss_sum, self.norm_sum = self.sums.unbind()  # views, on the device: read at checks
         self.t0 = self.t1 = None
         tqdm.set_lock(threading.RLock())  # not a semaphore, which os._exit would leak
         self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, leave=False,
