@@ -57,9 +57,9 @@ def setup_distributed(args):
 
 
 def build_data(run):
-    """Every rank draws the same global order and trains on its own part of each global batch (a new
-    order every epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank,
-    once."""
+    """Shards the data: every rank draws the same global order and trains on its part of each global
+    batch (a new order every epoch: train_one_epoch's set_epoch); every validation sample is on
+    one rank, once."""
     args = run.args
     # rank 0 first, the one that may download: N processes never write the same files at once
     run.train_set, val_set = common.load_data_rank0_first(args, run.rank)
@@ -77,8 +77,8 @@ def build_data(run):
 
 
 def build_model(run):
-    """The same model on every rank, then wrapped: DDP broadcasts rank 0's weights (read there only,
-    by --weights)."""
+    """Builds one model on every rank, then wraps it: DDP broadcasts rank 0's weights (read there
+    only, by --weights)."""
     args = run.args
     torch.manual_seed(args.seed)
     run.raw_model = common.make_model(args, run.train_set)
@@ -97,8 +97,8 @@ def build_model(run):
 
 
 def resume(run):
-    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
-    Returns the progress it saved, or None for a fresh start."""
+    """Loads the checkpoint that rank 0 reads and checks, sent to the others (no shared filesystem
+    needed); returns the progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.checkpoint_to_resume(run), run.rank)
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
     # broadcast fails on it
@@ -125,8 +125,8 @@ def resume(run):
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
-    the gradients' norm before clipping, on the device (no host sync)."""
+    """Takes one optimizer step over --grad-accum micro-batches; returns its loss and, with
+    --clip-grad, the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     for micro, (xm, ym) in enumerate(zip(common.micro_batches(x, accum), y.chunk(accum))):
         # no_sync: accumulate locally; all-reduce only once, with the step's last micro-batch
@@ -143,8 +143,8 @@ def train_step(run, x, y):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
-    returns the mean loss over its steps and the ranks."""
+    """Trains one pass over this rank's part of the data (what is left of it, when resumed
+    mid-epoch); returns the mean loss over its steps and the ranks."""
     args, progress = run.args, run.progress
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
@@ -180,7 +180,8 @@ def mean_over_ranks(t):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss and accuracy on the whole validation set: each rank sums its shard, then all-reduce."""
+    """Returns loss and accuracy on the validation set: each rank sums its shard, then
+    all-reduce."""
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
@@ -195,10 +196,10 @@ def evaluate(run):
 
 
 def save(run):
-    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole
-    training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
-    in any script, at any number of processes, with or without a GPU, and into a plain model with
-    weights_only=True."""
+    """Saves: every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes
+    the training state to last.pt: plain names, whole tensors, every rank's random generators. It
+    loads in any script, at any number of processes, with or without a GPU, and into a plain model
+    with weights_only=True."""
     progress = run.progress
     sums = mean_over_ranks(progress.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
@@ -214,7 +215,7 @@ def save(run):
 
 
 def evaluate_and_log(run):
-    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    """Evaluates, then logs rank 0's metrics row. A stop that the ranks agreed on at the epoch's
     last step ends the run before it, one during it after it: its checkpoint is saved."""
     stopping = run.progress.stopping
     if stopping:
@@ -228,9 +229,9 @@ def evaluate_and_log(run):
 
 
 def announce(run):
-    """Rank 0's first line: how the run is set up, and the step a resume starts at."""
+    """Prints rank 0's first line: how the run is set up, and the step a resume starts at."""
     common.start_output(run)
-    print(f"ddp: {run.world_size} process{'es' * (run.world_size > 1)}, backend "
+    print(f"ddp: {run.world_size} process{'es' if run.world_size > 1 else ''}, backend "
           f"{dist.get_backend()}, device {run.device.type}, global batch {run.global_batch}, "
           f"started by {run.launcher}"
           + (f", resuming at step {run.progress.step}" if run.progress.step else ""))

@@ -45,8 +45,8 @@ class Run(common.Run):  # [dp] the run's fields, and DataParallel's
 
 
 def setup_devices(args):
-    """The GPUs this one process drives (none on a CPU machine) and the device its parameters live
-    on: GPU numbers count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means
+    """Picks the GPUs this one process drives (none on a CPU machine) and the device its parameters
+    live on: GPU numbers count the visible GPUs, so with CUDA_VISIBLE_DEVICES=2,3, --gpus 0,1 means
     physical GPUs 2 and 3."""
     use_cuda = args.device == "cuda"  # [dp] DataParallel drives GPUs; on mps, xpu: the one there is
     visible, env = torch.cuda.device_count() if use_cuda else 0, os.environ
@@ -80,8 +80,9 @@ def setup_devices(args):
 
 
 def build_data(run):  # [dp]
-    """One loader, each step's batch --batch-size samples per GPU, in the same global order as the
-    DDP scripts (a one-replica DistributedSampler): every script trains on the same batches."""
+    """Builds one loader, each step's batch --batch-size samples per GPU, in the same global order
+    as the DDP scripts (a one-replica DistributedSampler): every script trains on the same
+    batches."""
     args = run.args
     run.train_set, val_set = common.load_data(args, download=True)
     run.sampler = DistributedSampler(run.train_set, 1, 0, shuffle=True, seed=args.seed,
@@ -96,7 +97,8 @@ def build_data(run):  # [dp]
 
 
 def build_model(run):  # [dp]
-    """The model on the first GPU, in a DataParallel that copies it to every GPU at every step."""
+    """Puts the model on the first GPU, in a DataParallel that copies it to every GPU at every
+    step."""
     args = run.args
     torch.manual_seed(args.seed)
     run.raw_model = common.make_model(args, run.train_set)
@@ -115,8 +117,8 @@ def build_model(run):  # [dp]
 
 
 def resume(run):  # [dp]
-    """A last.pt of any script, written by any number of processes: the progress it saved, or None
-    (a fresh start)."""
+    """Loads a last.pt of any script, written by any number of processes; returns the progress it
+    saved, or None (a fresh start)."""
     ckpt = common.checkpoint_to_resume(run)
     if ckpt:
         # name-keyed, as every script writes it; one process holds it whole, so no full_state_dict
@@ -131,8 +133,8 @@ def resume(run):  # [dp]
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
-    the gradients' norm before clipping, on the device (no host sync)."""
+    """Takes one optimizer step over --grad-accum micro-batches; returns its loss and, with
+    --clip-grad, the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     # [dp] one process: no gradients to synchronize, no no_sync()
     for xm, ym in zip(common.micro_batches(x, accum), y.chunk(accum)):  # [dp]
@@ -149,8 +151,8 @@ def train_step(run, x, y):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
-    returns the mean loss over its steps and the ranks."""
+    """Trains one pass over this rank's part of the data (what is left of it, when resumed
+    mid-epoch); returns the mean loss over its steps and the ranks."""
     args, progress = run.args, run.progress
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
@@ -185,7 +187,7 @@ def mean_over_ranks(t):  # [dp] one process: nothing to average (named as DDP's,
 
 @torch.no_grad()
 def evaluate(run):  # [dp]
-    """Loss and accuracy over the whole validation set, every batch split over the GPUs."""
+    """Returns loss and accuracy over the validation set, every batch split over the GPUs."""
     run.raw_model.eval()
     # loss sum, correct, count (MPS: float32)
     totals = torch.zeros(3, dtype=run.progress.exact, device=run.device)
@@ -200,9 +202,9 @@ def evaluate(run):  # [dp]
 
 
 def save(run):  # [dp]
-    """The whole training state to last.pt, as the DDP scripts write it (world size 1): plain names,
-    whole tensors, the random generators. It loads in any script, at any number of processes, with
-    or without a GPU."""
+    """Saves the whole training state to last.pt, as the DDP scripts write it (world size 1): plain
+    names, whole tensors, the random generators. It loads in any script, at any number of processes,
+    with or without a GPU."""
     # the state dicts, on the CPU
     progress, options = run.progress, StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
@@ -214,7 +216,7 @@ def save(run):  # [dp]
 
 
 def evaluate_and_log(run):
-    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    """Evaluates, then logs rank 0's metrics row. A stop that the ranks agreed on at the epoch's
     last step ends the run before it, one during it after it: its checkpoint is saved."""
     stopping = run.progress.stopping
     if stopping:
@@ -228,7 +230,7 @@ def evaluate_and_log(run):
 
 
 def announce(run):
-    """Rank 0's first line: how the run is set up, and the step a resume starts at."""
+    """Prints rank 0's first line: how the run is set up, and the step a resume starts at."""
     common.start_output(run)
     print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, "  # [dp]
           f"global batch {run.global_batch}"

@@ -37,7 +37,7 @@ import common
 @dataclasses.dataclass(slots=True)
 class Run(common.Run):  # [fsdp] the run's fields, and FSDP's
     sharded: object = None  # --ckpt-format dcp's writer (train_extras/sharded.py), or None
-    grad_bytes: int = 0  # this rank's part of the gradients, in bytes (metrics.jsonl)
+    grad_bytes: int = 0  # this rank's part of the gradients, in bytes
 
 
 def setup_distributed(args):
@@ -75,9 +75,9 @@ def setup_distributed(args):
 
 
 def build_data(run):
-    """Every rank draws the same global order and trains on its own part of each global batch (a new
-    order every epoch: train_one_epoch's set_epoch); every validation sample is on exactly one rank,
-    once."""
+    """Shards the data: every rank draws the same global order and trains on its part of each global
+    batch (a new order every epoch: train_one_epoch's set_epoch); every validation sample is on
+    one rank, once."""
     args = run.args
     # rank 0 first, the one that may download: N processes never write the same files at once
     run.train_set, val_set = common.load_data_rank0_first(args, run.rank)
@@ -95,7 +95,7 @@ def build_data(run):
 
 
 def build_model(run):
-    """The same model on every rank, sharded in place: each rank keeps 1/N of every parameter."""
+    """Builds one model on every rank, sharded in place: each rank keeps 1/N of every parameter."""
     args = run.args
     torch.manual_seed(args.seed)
     run.raw_model = common.make_model(args, run.train_set)
@@ -113,8 +113,8 @@ def build_model(run):
 
 
 def make_mesh(run):
-    """1-D: every rank holds 1/N. HSDP (--replicate R): R copies, each sharded over N/R ranks
-    (all-gathers within a copy: one machine's fast links), gradients all-reduced across copies."""
+    """Returns the mesh. 1-D: each rank holds 1/N. HSDP (--replicate R): R copies, each sharded
+    over N/R ranks (all-gathers on one machine's fast links), gradients all-reduced across them."""
     r = run.args.replicate
     if r == 1:
         return init_device_mesh(run.device.type, (run.world_size,))
@@ -123,9 +123,9 @@ def make_mesh(run):
 
 
 def shard(model, mesh, precision, reshard_after_forward):
-    """fully_shard bottom-up: each top-level child with parameters a group, all-gathered in one
-    collective just before it runs (resnet: conv1, layer1..layer4, fc); then the root, for what is
-    left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32; each
+    """Applies fully_shard bottom-up: each top-level child with parameters a group, all-gathered in
+    one collective just before it runs (resnet: conv1, layer1..layer4, fc); then the root, for what
+    is left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32; each
     BatchNorm a group that computes in fp32 and hands bf16 on."""
     kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), \
         torch.nn.modules.batchnorm._BatchNorm
@@ -143,7 +143,7 @@ def shard(model, mesh, precision, reshard_after_forward):
 
 
 def checkpoint_to_resume(run):
-    """Rank 0: common.checkpoint_to_resume's, or train_extras/sharded.py's where there are
+    """Rank 0: returns common.checkpoint_to_resume's, or train_extras/sharded.py's where there are
     ckpt-<step> folders (--ckpt-format dcp; --resume auto: the highest step of them and last.pt)."""
     out_dir = run.out_dir
     folders = os.path.isdir(out_dir) and \
@@ -155,8 +155,8 @@ def checkpoint_to_resume(run):
 
 
 def resume(run):
-    """Rank 0 reads and checks the checkpoint; the others receive it (no shared filesystem needed).
-    Returns the progress it saved, or None for a fresh start."""
+    """Loads the checkpoint that rank 0 reads and checks, sent to the others (no shared filesystem
+    needed); returns the progress it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: checkpoint_to_resume(run),
                            run.rank)  # [fsdp] last.pt, or a ckpt-<step> folder's meta
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
@@ -188,8 +188,8 @@ def resume(run):
 
 
 def train_step(run, x, y):
-    """One optimizer step over --grad-accum micro-batches; returns its loss and, with --clip-grad,
-    the gradients' norm before clipping, on the device (no host sync)."""
+    """Takes one optimizer step over --grad-accum micro-batches; returns its loss and, with
+    --clip-grad, the gradients' norm before clipping, on the device (no host sync)."""
     step_loss, accum = torch.zeros((), device=run.device), run.args.grad_accum
     # [fsdp] every micro-batch reduce-scatters its gradients into the sharded .grad; FSDP's no_sync
     # (set_requires_gradient_sync(False)) would keep full-size gradients on every rank
@@ -197,7 +197,7 @@ def train_step(run, x, y):
         loss = F.cross_entropy(run.model(xm).float(), ym) / accum  # bf16 logits: the loss in fp32
         loss.backward()
         step_loss += loss.detach()
-    # between backward and zero_grad: this rank's part of the gradients
+    # between backward and zero_grad
     run.grad_bytes = local_bytes(
         p.grad for p in run.raw_model.parameters() if p.grad is not None)  # [fsdp]
     norm = clip_grad_norm(run.raw_model.parameters(), run.args.clip_grad) \
@@ -220,8 +220,8 @@ def clip_grad_norm(params, max_norm):
 
 
 def train_one_epoch(run, epoch):
-    """One pass over this rank's part of the data (what is left of it, when resumed mid-epoch);
-    returns the mean loss over its steps and the ranks."""
+    """Trains one pass over this rank's part of the data (what is left of it, when resumed
+    mid-epoch); returns the mean loss over its steps and the ranks."""
     args, progress = run.args, run.progress
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
@@ -257,7 +257,8 @@ def mean_over_ranks(t):
 
 @torch.no_grad()
 def evaluate(run):
-    """Loss and accuracy on the whole validation set: each rank sums its shard, then all-reduce."""
+    """Returns loss and accuracy on the validation set: each rank sums its shard, then
+    all-reduce."""
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
@@ -284,9 +285,9 @@ def pad_forwards(run):
 
 
 def save(run, blocking=False):
-    """Every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes the whole
-    training state to last.pt: plain names, whole tensors, every rank's random generators. It loads
-    in any script, at any number of processes, on any device, with weights_only=True.
+    """Saves: every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes
+    the training state to last.pt: plain names, whole tensors, every rank's random generators. It
+    loads in any script, at any number of processes, on any device, with weights_only=True.
     --ckpt-format dcp: a ckpt-<step> folder of each rank's shards instead (train_extras/sharded.py;
     --async-save in the background)."""
     progress = run.progress
@@ -323,7 +324,7 @@ def gathered(t, rank):
 
 
 def evaluate_and_log(run):
-    """The evaluation, then rank 0's metrics row. A stop that the ranks agreed on at the epoch's
+    """Evaluates, then logs rank 0's metrics row. A stop that the ranks agreed on at the epoch's
     last step ends the run before it, one during it after it: its checkpoint is saved."""
     stopping = run.progress.stopping
     if stopping:
@@ -339,14 +340,13 @@ def evaluate_and_log(run):
 
 
 def local_bytes(tensors):
-    """Bytes this rank holds of these tensors (of a DTensor, its shard)."""
+    """Returns the bytes this rank holds of these tensors (of a DTensor, its shard)."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
                for t in tensors)
 
 
 def held_bytes(run):
-    """What rank 0 holds, for metrics.jsonl (its shards are the largest); the gradients as
-    train_step measured them."""
+    """Returns what rank 0 holds, the largest shards, for metrics.jsonl (grads: train_step's)."""
     args, optim_state = run.args, run.optimizer.state.values()
     return {"param_bytes": local_bytes(run.raw_model.parameters()), "grad_bytes": run.grad_bytes,
             "optim_bytes": local_bytes(
@@ -356,12 +356,12 @@ def held_bytes(run):
 
 
 def announce(run):
-    """Rank 0's first line: how the run is set up, and the step a resume starts at."""
+    """Prints rank 0's first line: how the run is set up, and the step a resume starts at."""
     common.start_output(run)
     args, hsdp = run.args, ""  # [fsdp]
     if args.replicate > 1:  # [fsdp]
         hsdp = f"HSDP: {args.replicate} copies of {run.world_size // args.replicate} shards, "
-    print(f"fsdp: {run.world_size} process{'es' * (run.world_size > 1)}, "  # [fsdp]
+    print(f"fsdp: {run.world_size} process{'es' if run.world_size > 1 else ''}, "  # [fsdp]
           f"backend {dist.get_backend()}, device {run.device.type}, global batch "
           f"{run.global_batch}, started by {run.launcher}, "
           f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
