@@ -27,7 +27,7 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
                          "the BatchNorm buffers not broadcast before the evaluation and the save"),
     "step_check": ("common.py", [("        return self.check(every_rank=self.save_due or self.last)\n",
                                   "        return None\n")],
-                   "the step's check gone: no NaN/inf stop, no stop signal acted on, no timeout switch"),
+                   "the step's check gone: no NaN/inf stop, no stop signal acted on"),
     "resume_one_step_late": ("common.py", [(
         '        self.step_in_epoch = saved.get("samples_in_epoch", 0) // self.global_batch\n',
         '        self.step_in_epoch = (saved.get("samples_in_epoch", 0) // self.global_batch\n'
@@ -41,8 +41,8 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
     "every_rank_prints": ("ddp_launch_train.py", [
         ("    master = run.rank == 0  # only rank 0 prints and writes files\n", "    master = True\n")],
         "every rank prints (and writes metrics.jsonl)"),
-    "exit_1_on_bad_input": ("common.py", [("    def __init__(self, message, code=2, printer=0):\n",
-                                           "    def __init__(self, message, code=1, printer=0):\n")],
+    "exit_1_on_bad_input": ("common.py", [("    code = 2  # the user's: a flag, a launch, a file, the data\n",
+                                           "    code = 1  # the user's: a flag, a launch, a file, the data\n")],
                             "bad input exits 1, not 2"),
     "non_atomic_save": ("common.py", [('        with open(tmp, "wb") as f:\n', '        with open(path, "wb") as f:\n'),
                                       ("        os.replace(tmp, path)\n", "")],
