@@ -333,8 +333,8 @@ def make_model(args, data):
 
 def make_loader(ds, batches, run):
     """Returns a DataLoader over `batches`, its generator not the one dropout draws from."""
-    if hasattr(ds, "loader"):  # tensors in memory, whole batches at once (train_extras/datasets.py)
-        return ds.loader(batches, run)
+    if hasattr(ds, "batch_loader"):  # tensors in memory: whole batches (train_extras/datasets.py)
+        return ds.batch_loader(batches, run)
     workers, start = run.args.workers, {}
     if workers:
         start = extra("workers").start(ds)

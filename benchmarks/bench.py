@@ -91,7 +91,7 @@ def reference(a):
     args = common.get_parser("").parse_args(script_flags(a) + ["--batch-size", str(a.batch_size // world)])
     fmt = torch.channels_last if a.channels_last else torch.contiguous_format
     train_set, _ = common.load_data(args)
-    if device.type == "cuda" and sum(t.nbytes for t in train_set.tensors) < 2**32:  # as InMemory.loader does:
+    if device.type == "cuda" and sum(t.nbytes for t in train_set.tensors) < 2**32:  # as InMemory.batch_loader does:
         train_set.tensors = tuple(t.to(device) for t in train_set.tensors)  # on the GPU if it fits, copied once
     sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=args.seed, drop_last=True)
     sampler.set_epoch(0)

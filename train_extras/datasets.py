@@ -106,16 +106,16 @@ def random_subset(n_all, n, seed, flag):
 
 # ---- synthetic data, MNIST and CIFAR-10: in memory, normalized once
 class InMemory(TensorDataset):
-    """Normalized images and labels in memory. ds[list of indices] is a whole batch (`loader`: one
-    tensor index, no per-sample Python); `augment`: a random crop and flip per sample, drawn from
-    (seed, epoch, index), done on the batch where the tensors are (on the GPU, if `loader` moved
-    them there)."""
+    """Normalized images and labels in memory. ds[list of indices] is a whole batch (`batch_loader`:
+    one tensor index, no per-sample Python); `augment`: a random crop and flip per sample, drawn
+    from (seed, epoch, index), done on the batch where the tensors are (on the GPU, if
+    `batch_loader` moved them there)."""
 
     def __init__(self, x, y, classes, augment=False, seed=0):
         super().__init__(x, y)
         self.classes, self.augment, self.seed, self.epoch = classes, augment, seed, 0
 
-    def loader(self, batches, run):
+    def batch_loader(self, batches, run):
         """Returns common.make_loader's DataLoader: one index a batch, on the accelerator if the
         tensors fit. Its own generator: not the one dropout draws from."""
         if run.device.type != "cpu" and sum(t.nbytes for t in self.tensors) < 2**32:  # once
