@@ -165,8 +165,8 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
-        if progress.step == progress.first_step + 1:  # all ranks passed their start-up (step 1's
-            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
+        if progress.step == progress.first_step + 1:  # as in the DDP scripts; here a no-op:
+            common.set_step_timeout(args.step_timeout)  # one process, no collective to wait on
         x, y = common.to_device(run, run.train_set, x, y)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         # (common.Progress.check)

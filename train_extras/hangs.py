@@ -20,7 +20,8 @@ def named(run):
         if run.world_size == 1 or "timed out" not in why or "dataloader" in why:  # (a worker: no)
             raise
         try:
-            # the process group's store (torch has no public name for it)
+            # the store the process group met on, under its key prefix (restart.py's attempts
+            # included): torch has no public name for it (pytorch/pytorch#151960)
             store = dist.distributed_c10d._get_default_store()
             store.set(f"hung/{run.rank}", "")
             time.sleep(5)  # the other ranks' waits run out at about the same time
