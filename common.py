@@ -1,5 +1,4 @@
-"""What the scripts share, however their processes are launched. The extras (built-in data and
-models, fine-tuning...) are train_extras/'s, used where their file is."""
+"""What the scripts share, however their processes are launched (the extras: train_extras/)."""
 import argparse
 import contextlib
 import dataclasses
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-EXTRA_FLAGS = {  # each extra's flags
+EXTRA_FLAGS = {
     "datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
                  "--synthetic-shape"),
     "models": ("--model",),
@@ -446,8 +445,7 @@ def read_checkpoint(path):
 
 
 def check_out_dir(run):
-    """Rank 0, before anything is built: refuses an earlier run in --out-dir that no flag asks
-    for, and a folder not writable."""
+    """Rank 0, before anything is built: refuses an unwritable --out-dir, or a run in it unasked."""
     args, out = run.args, run.out_dir
     own = resumes_own(args, out)
     if args.overwrite and args.resume and own:
@@ -703,8 +701,7 @@ class Progress:
         self.t1 = self.clock()
 
     def epoch_row(self, **row):
-        """Fills the training half of the epoch's row: saved with the checkpoint, evaluated after
-        (or first on resume)."""
+        """Fills the row's training half: saved, then evaluated (on resume: evaluated first)."""
         self.row = {"epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch,
                     "step": self.step, **row, "lr": self.scheduler.get_last_lr()[0],
                     "samples_per_s": self.samples_per_s(),
@@ -796,9 +793,12 @@ def run_and_exit(main, parse_args):
         if dist.is_initialized():
             dist.destroy_process_group()
     # no interpreter teardown, where gloo's threads now and then hang or abort the process
-    # (pytorch/pytorch#190489). Every file is closed by now
-    if code is not None:  # a DataLoader left mid-epoch frees its workers and queues
-        gc.collect()
+    # (pytorch/pytorch#190489): every file is closed by now. A DataLoader's queues, freed, end
+    # their threads, each holding two semaphores the resource tracker would call leaked
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":  # a multiprocessing.Queue's
+            thread.join(timeout=1)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
 

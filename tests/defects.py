@@ -50,6 +50,8 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
     "sigusr1_ignored": ("common.py", [('for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")',
                                        'for n in ("SIGTERM", "SIGHUP", "SIGINT")')],
                         "SIGUSR1 (a time limit near) not acted on"),
+    "queue_threads_not_awaited": ("common.py", [("            thread.join(timeout=1)\n", "            pass\n")],
+                                  "the exit before the DataLoader queues' threads end: a leaked-semaphore warning"),
 }
 
 
