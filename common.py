@@ -793,11 +793,11 @@ def run_and_exit(main, parse_args):
         if dist.is_initialized():
             dist.destroy_process_group()
     # no interpreter teardown, where gloo's threads now and then hang or abort the process
-    # (pytorch/pytorch#190489): every file is closed by now. A DataLoader's queues, freed, end
-    # their threads, each holding two semaphores the resource tracker would call leaked
-    gc.collect()
-    for thread in threading.enumerate():
-        if thread.name == "QueueFeederThread":  # a multiprocessing.Queue's
+    # (pytorch/pytorch#190489). Every file is closed by now
+    if code is not None:  # a DataLoader left mid-epoch, freed
+        gc.collect()
+    for thread in threading.enumerate():  # each holds 2 semaphores till it ends (else the
+        if thread.name == "QueueFeederThread":  # resource tracker's "leaked" warning)
             thread.join(timeout=1)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
