@@ -796,8 +796,8 @@ def run_and_exit(main, parse_args):
     # (pytorch/pytorch#190489). Every file is closed by now
     if code is not None:  # a DataLoader left mid-epoch, freed
         gc.collect()
-    for thread in threading.enumerate():  # each holds 2 semaphores till it ends (else the
-        if thread.name == "QueueFeederThread":  # resource tracker's "leaked" warning)
+    for thread in threading.enumerate():  # a Queue's holds 2 semaphores till it ends: else the
+        if thread.name == "QueueFeederThread":  # resource tracker warns "leaked"
             thread.join(timeout=1)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
