@@ -337,10 +337,53 @@ def make_loader(ds, batches, run):
     workers, start = run.args.workers, {}
     if workers:
         start = extra("workers").start(ds)
-    return DataLoader(ds, batch_sampler=batches, num_workers=workers,
-                      **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
-                      pin_memory=run.device.type != "cpu",
-                      timeout=run.args.step_timeout if workers else 0)
+    return Loader(ds, batch_sampler=batches, num_workers=workers,
+                  **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
+                  pin_memory=run.device.type != "cpu",
+                  timeout=run.args.step_timeout if workers else 0)
+
+
+class Loader(DataLoader):
+    """A DataLoader whose workers are deaf to stop signals from their first instruction, and so are
+    the helpers that their start method starts with them: the fork server (Python 3.14's default
+    on Linux) and the resource tracker. All inherit the signals blocked; killed by a job's stop
+    signal, a helper would take the workers with it, and the save too."""
+
+    def __iter__(self):  # (the workers start here)
+        if not self.num_workers:
+            return super().__iter__()
+        with stop_signals_blocked():
+            return super().__iter__()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Blocks the stop signals in this thread: a process started meanwhile, by fork or by spawn,
+    inherits them blocked (the mask survives exec). One that comes meanwhile is not lost: another
+    thread takes it, or this one when unblocked."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    start_resource_tracker()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def start_resource_tracker():
+    """Starts multiprocessing's resource tracker (if not running) deaf to the stop signals. This
+    process's children share it, to unlink their semaphores if they cannot; killed by a job's stop
+    signal, it would be started again, with a traceback for each semaphore it knew."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no tracker
+        return
+    from multiprocessing import resource_tracker
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:  # (a call of its own: Python 3.11 and older 3.12s unblock SIGINT and SIGTERM in this
+        resource_tracker.ensure_running()  # thread as they start it, python/cpython#127586)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def deaf(_):
@@ -770,7 +813,7 @@ def run_and_exit(main, parse_args):
     """Calls main(parse_args()) and exits: an ending is one line, printed once, and its status."""
     ranks = [n[0] for n in LAUNCHERS.values()] + ["SLURM_PROCID"]  # the launcher's rank 0 prints
     rank = next((int(os.environ[r]) for r in ranks if os.environ.get(r, "").isdigit()), 0)
-    code = None
+    code, inherited = None, mp_temp_dir()
     try:
         main(parse_args())
     except Ending as e:  # UsageError 2, NanLoss 1, Hang 3, Stopped 0 or 128 + N
@@ -799,8 +842,15 @@ def run_and_exit(main, parse_args):
     for thread in threading.enumerate():  # a Queue's holds 2 semaphores till it ends: else the
         if thread.name == "QueueFeederThread":  # resource tracker warns "leaked"
             thread.join(timeout=1)
+    if mp_temp_dir() not in (None, inherited):  # its own, made for the fork server's socket:
+        shutil.rmtree(mp_temp_dir(), ignore_errors=True)  # multiprocessing's exit would remove it
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)
+
+
+def mp_temp_dir():
+    # multiprocessing's pymp-* folder, inherited from a parent process or made here (private name)
+    return multiprocessing.current_process()._config.get("tempdir")
 
 
 def say(e, rank):

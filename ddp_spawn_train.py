@@ -283,6 +283,7 @@ def launch(args):
     the first is a SIGTERM to the children, a second kills them."""
     prepare(args)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the children start ignoring it (pass_on below)
+    common.start_resource_tracker()  # the children's, deaf: a job's stop signal reaches it too
     children = mp.spawn(child, args=(args,), nprocs=args.nprocs, join=False)
     interrupted = []
 
