@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -27,8 +28,8 @@ import torch
 
 from conftest import PROOF, assert_exit, checkpoint, max_diff, metrics, per_process
 from hooks import Hooks
-from processes import (LAUNCHER_PICKS_PORT, Proc, Ranks, address_in_use, alive, children, command, descendants,
-                       run, signal_pending, start_ranks, torchrun, worker_env)
+from processes import (LAUNCHER_PICKS_PORT, ROOT, Proc, Ranks, address_in_use, alive, children, command,
+                       descendants, run, signal_pending, start_ranks, torchrun, worker_env)
 
 # the proof runs' flags (conftest.PROOF: 16 steps an epoch at any number of processes), a checkpoint every 4 steps: an
 # uninterrupted run is the shared proof run of its process count (conftest.SHARED)
@@ -646,13 +647,13 @@ def cmdline(pid):
         return f"{pid}: gone"
 
 
-def start_job(launch, script, args, tmp_path, env):
+def start_job(launch, script, args, tmp_path, env, cwd=ROOT):
     """The job's processes that a scheduler knows of (one command, or each rank started by hand)."""
     cmd, ranks = JOB[launch]
     if cmd is None:
-        return start_ranks(script, args, len(ranks), env=env, folder=tmp_path / "log").procs
+        return start_ranks(script, args, len(ranks), env=env, folder=tmp_path / "log", cwd=cwd).procs
     nprocs = ["--nprocs", "2"] if launch == "mp.spawn" else []
-    return [Proc(cmd + [script, *nprocs] + [str(a) for a in args], tmp_path / "log", env=env, merge=True)]
+    return [Proc(cmd + [script, *nprocs] + [str(a) for a in args], tmp_path / "log", env=env, merge=True, cwd=cwd)]
 
 
 def final_checkpoint(out, tmp_path):
@@ -689,9 +690,15 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
     status from every rank, no other line on the terminal (no traceback, no resource tracker's warning), no process
     left a few seconds after, nothing left in TMPDIR; resumed, the run ends bit for bit where the unbroken one does.
     SIGUSR1 kills torchrun itself (it does not handle it); its workers, which got it too, save."""
+    stop_the_job(launch, sig, script, more, to, Hooks(tmp_path, pause_at=PAUSE), images, unbroken_job, short_tmp,
+                 tmp_path, measured)
+
+
+def stop_the_job(launch, sig, script, more, to, hooks, images, unbroken_job, tmp, tmp_path, measured, cwd=ROOT):
+    """The job test above, its scripts run from `cwd`, its processes with `hooks`."""
     ranks = JOB[launch][1]
-    out, hooks, tmp = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE), short_tmp
-    procs = start_job(launch, script, job_flags(images, out, *more), tmp_path, {**hooks.env, "TMPDIR": str(tmp)})
+    out = tmp_path / "run"
+    procs = start_job(launch, script, job_flags(images, out, *more), tmp_path, {**hooks.env, "TMPDIR": str(tmp)}, cwd)
     job = []
     try:
         procs[0].until(lambda: sorted(hooks.paused()) == ranks, f"ranks {ranks} waiting at step {PAUSE}")
@@ -705,6 +712,11 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
             time.sleep(0.1)
         taken = [hooks.paused()[1]] if to == "rank 1" else hooks.paused().values()
         procs[0].until(lambda: all(hooks.handled(pid, sig) for pid in taken), f"{sig.name} taken")
+        # none dies of it, but torchrun of the SIGUSR1 it does not handle: a worker or a helper of their start method
+        # (the fork server, the resource tracker) killed now would fail the save, or say so on the terminal
+        time.sleep(0.5)
+        dying = launch == "torchrun" and sig == signal.SIGUSR1
+        died = [cmdline(pid) for pid in job[dying:] if not alive(pid)]
         hooks.go()
         went_on = time.monotonic()
         while any(alive(pid) for pid in job):  # the launcher may end first (torchrun, killed by SIGUSR1)
@@ -718,6 +730,7 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
         for p in procs:
             p.kill()
     log = "\n".join(p.output() for p in procs)
+    assert died == [], f"killed by {sig.name}: {died}\n{log[-3000:]}"
     assert hooks.exits() == {r: JOB_CODE[sig] for r in ranks}, log[-3000:]
     # the job's status (docs/failures.md): torchrun's own, 1 after the SIGTERM it handles, killed by the SIGUSR1 it
     # does not handle; the spawn parent's and a lone process's, the signal's
@@ -736,11 +749,51 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_
     # folder)
     assert [n for n in os.listdir(tmp) if not n.startswith(("torchinductor_", "torchelastic_"))] == [], "in TMPDIR"
     launcher, nproc = {"python": ("python", None), "mp.spawn": ("python", 2)}.get(launch, ("ranks", len(ranks)))
-    resumed = run(script, *job_flags(images, out, *more), "--resume", "auto", launcher=launcher, nproc=nproc).stdout
+    resumed = run(script, *job_flags(images, out, *more), "--resume", "auto", launcher=launcher, nproc=nproc,
+                  cwd=cwd).stdout
     assert f"resuming at step {steps[0]}" in resumed
     final, straight = final_checkpoint(out, tmp_path), unbroken_job(script, len(ranks))
     assert max_diff(final["model"], straight["model"]) == 0
     assert max_diff(final["optimizer"], straight["optimizer"]) == 0
+
+
+# every way DataLoader workers start: fork (Linux, to Python 3.13), forkserver (Linux's default from Python 3.14) and
+# spawn (macOS, Windows), each forced (the hooks' TEST_START_METHOD). train_extras/workers.py is left out: the workers
+# start as torch starts them, by the core's own path (common.Loader), as on every Python where workers.py does nothing
+# (3.11.10 and newer). A job's stop signal reaches the workers and the helpers of their start method too: the fork
+# server, the resource tracker, and mp.spawn's parent's tracker, which its children use. (mp.spawn's children start
+# their workers by spawn whatever the default: they are spawned, and spawn's set-up sets it)
+START_CASES = [  # launch, signal, script, start method: each method once in the everyday tier
+    ("torchrun", signal.SIGUSR1, "ddp_launch_train.py", "fork"),
+    ("torchrun", signal.SIGTERM, "ddp_launch_train.py", "forkserver"),
+    ("python", signal.SIGUSR1, "ddp_launch_train.py", "spawn"),
+    *[pytest.param(launch, sig, script, method, marks=pytest.mark.full) for launch, sig, script, method in [
+        ("python", signal.SIGTERM, "ddp_launch_train.py", "fork"),
+        ("python", signal.SIGHUP, "ddp_launch_train.py", "forkserver"),
+        ("torchrun", signal.SIGTERM, "ddp_launch_train.py", "spawn"),
+        ("mp.spawn", signal.SIGUSR1, "ddp_spawn_train.py", "spawn")]]]
+
+
+@pytest.fixture(scope="module")
+def without_workers_py(tmp_path_factory):
+    """A copy of the scripts, common.py and train_extras/ but workers.py."""
+    folder = tmp_path_factory.mktemp("checkout")
+    for name in ("common.py", "ddp_launch_train.py", "ddp_spawn_train.py"):
+        shutil.copy(ROOT / name, folder)
+    shutil.copytree(ROOT / "train_extras", folder / "train_extras",
+                    ignore=shutil.ignore_patterns("workers.py", "__pycache__"))
+    return folder
+
+
+@pytest.mark.parametrize("launch, sig, script, method", START_CASES, ids=lambda v: getattr(v, "name", v))
+def test_a_job_stop_saves_and_leaves_nothing_however_the_workers_start(launch, sig, script, method, images,
+                                                                     unbroken_job, without_workers_py, short_tmp,
+                                                                     tmp_path, measured):
+    """The job test above (the signal to every process of the job at step 6), with the DataLoader workers started by
+    `method`: one save at one agreed step, the signal's status, no other line, nothing left, a bit-exact resume."""
+    hooks = Hooks(tmp_path, pause_at=PAUSE, start_method=method)
+    stop_the_job(launch, sig, script, [], "job", hooks, images, unbroken_job, short_tmp, tmp_path, measured,
+                 cwd=without_workers_py)
 
 
 # a run's ending (common.run_and_exit) while a DataLoader's queue is freed and its thread, which holds the queue's two

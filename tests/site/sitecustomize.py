@@ -184,6 +184,10 @@ def _install():
         _filesystem.FileSystemWriter.write_data = _write_data
 
 
+if os.environ.get("TEST_START_METHOD"):  # how processes start, DataLoader workers too (fork, forkserver, spawn)
+    import multiprocessing
+    multiprocessing.set_start_method(os.environ["TEST_START_METHOD"], force=True)
+
 # not in multiprocessing's helper processes (the resource tracker, the fork server), which train nothing: they would
 # import torch for it
 _HELPER = any(name in arg for arg in getattr(sys, "orig_argv", [])
