@@ -101,11 +101,12 @@ def install_cpu_pin_guard():
     subprocess.Popen = Guarded
     for name in ("system", "posix_spawn", "posix_spawnp", "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl",
                  "spawnle", "spawnlp", "spawnlpe"):
-        if hasattr(os, name):  # none of these takes an environment made by clean_env
-            real_call = getattr(os, name)
+        if hasattr(os, name):  # none of these takes an environment made by clean_env, but posix_spawn's (its third
+            real_call = getattr(os, name)  # argument: subprocess's own way since Python 3.13, given Popen's env)
 
             def guarded(*a, _name=name, _real=real_call, **kw):
-                refuse_unless_clean(f"os.{_name}", None)
+                env = (a[2] if len(a) > 2 else kw.get("env")) if _name.startswith("posix_spawn") else None
+                refuse_unless_clean(f"os.{_name}", env)
                 return _real(*a, **kw)
             setattr(os, name, guarded)
 
@@ -120,18 +121,25 @@ def pytest_runtest_setup(item):
     GUARD["on"] = item.get_closest_marker("gpu") is None
 
 
-# ---- nothing left behind: every started process's TMPDIR is inside pytest's own folder, which pytest cleans up; what
-# appears in the real one, in /dev/shm (semaphores, shared memory) or in the checkout fails the run
-WATCHED = {"tmp": tempfile.gettempdir(), "shm": "/dev/shm", "checkout": str(ROOT)}
+# ---- nothing left behind, of what the tests make. Every started process's TMPDIR is inside pytest's own folder, which
+# pytest cleans up; what else they make is told apart by its name: in the real temporary folder, short_tmp's folders;
+# in /dev/shm, the named semaphores of the suite's processes (multiprocessing's, which the resource tracker unlinks
+# unless it was killed: named sem.mp-tests-* by the hooks' TEST_SEMAPHORES); in the checkout, anything new. Another
+# program's files, made meanwhile (a browser's, another build's, a training run's sem.mp-*), are not the tests'
+SHORT_TMP = "ddp-tests-"  # short_tmp's folders
+SEMAPHORES = "/mp-tests"  # the suite's processes' named semaphores (processes.clean_env, site/sitecustomize.py)
+WATCHED = {"tmp": (tempfile.gettempdir(), SHORT_TMP), "shm": ("/dev/shm", f"sem.{SEMAPHORES[1:]}-"),
+           "checkout": (str(ROOT), "")}
 LEFT_BEHIND = []
 IGNORED = re.compile(r"pytest-of-.*|__pycache__|\.pytest_cache|\.ruff_cache|\.venv.*|\.git")
 
 
 def snapshot():
     found = set()
-    for where, folder in WATCHED.items():
+    for where, (folder, prefix) in WATCHED.items():
         with contextlib.suppress(OSError):
-            found |= {f"{where}:{name}" for name in os.listdir(folder) if not IGNORED.fullmatch(name)}
+            found |= {f"{where}:{name}" for name in os.listdir(folder)
+                      if name.startswith(prefix) and not IGNORED.fullmatch(name)}
     for sub in ("tests", "train_extras", "benchmarks", "docs"):
         found |= {f"checkout:{sub}/{n}" for n in os.listdir(ROOT / sub) if not IGNORED.fullmatch(n)}
     return found
@@ -234,7 +242,7 @@ def short_tmp():
     """A short folder of its own under /tmp, for a TMPDIR: multiprocessing puts its sockets in folders of its own
     there, and a socket's path ends at 107 bytes (a DataLoader worker sending a batch from under a deep TMPDIR fails
     with "AF_UNIX path too long"); removed after the test."""
-    folder = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    folder = Path(tempfile.mkdtemp(prefix=SHORT_TMP, dir="/tmp"))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -43,10 +43,11 @@ class CpuEnv(dict):
 
 def clean_env(base=None, **extra):
     """`base` (default: this environment) without any launcher's or job's variables, one thread per process,
-    unbuffered output, no GPU visible, Python's stacks on SIGABRT, this Python first on PATH, TMPDIR the session's,
-    then `extra` (a value of None: the variable unset). The suite is the CPU/gloo one on every machine: on a GPU
-    machine a script would otherwise pick CUDA and NCCL, which refuses two ranks on one GPU. (Not --device cpu: the
-    tests of --device cuda and --gpus must mean the same everywhere.) Of a SLURM cluster's environment `base` it
+    unbuffered output, no GPU visible, Python's stacks on SIGABRT, this Python first on PATH, TMPDIR the session's, the
+    suite's named semaphores named apart (conftest's leftover check: the hooks' TEST_SEMAPHORES, tests/site on
+    PYTHONPATH), then `extra` (a value of None: the variable unset). The suite is the CPU/gloo one on every machine: on
+    a GPU machine a script would otherwise pick CUDA and NCCL, which refuses two ranks on one GPU. (Not --device cpu:
+    the tests of --device cuda and --gpus must mean the same everywhere.) Of a SLURM cluster's environment `base` it
     keeps SLURM_CONF, which names the cluster."""
     base = os.environ if base is None else base
     env = {k: v for k, v in base.items()
@@ -55,8 +56,10 @@ def clean_env(base=None, **extra):
         env["SLURM_CONF"] = base["SLURM_CONF"]
     path = os.pathsep.join([os.path.dirname(sys.executable), base.get("PATH", os.defpath)])
     tmp = {"TMPDIR": SETTINGS["tmp"]} if SETTINGS["tmp"] else {}
+    site = os.pathsep.join(p for p in (str(TESTS / "site"), base.get("PYTHONPATH")) if p)
     env = {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONFAULTHANDLER": "1", "PATH": path, **tmp, **{k: str(v) for k, v in extra.items() if v is not None}}
+           "PYTHONFAULTHANDLER": "1", "PATH": path, **tmp, "PYTHONPATH": site, "TEST_SEMAPHORES": "/mp-tests",
+           **{k: str(v) for k, v in extra.items() if v is not None}}
     return CpuEnv({k: v for k, v in env.items() if extra.get(k, "") is not None})  # None: unset
 
 

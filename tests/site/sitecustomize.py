@@ -184,6 +184,10 @@ def _install():
         _filesystem.FileSystemWriter.write_data = _write_data
 
 
+if os.environ.get("TEST_SEMAPHORES"):  # the suite's named semaphores, told apart from other programs' in /dev/shm
+    import multiprocessing  # (conftest's leftover check): sem.mp-tests-*, in this process and in its children
+    multiprocessing.current_process()._config["semprefix"] = os.environ["TEST_SEMAPHORES"]
+
 if os.environ.get("TEST_START_METHOD"):  # how processes start, DataLoader workers too (fork, forkserver, spawn)
     import multiprocessing
     multiprocessing.set_start_method(os.environ["TEST_START_METHOD"], force=True)
