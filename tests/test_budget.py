@@ -2,6 +2,7 @@
 the README's list must fit in it. A change that needs more room raises a limit here, in the open,
 with the reason in its commit, rather than cutting a kept guarantee. Measured in plain Python (no
 package needed: this never skips); the linter (ruff, pinned in pyproject.toml) runs here too."""
+import ast
 import os
 import shutil
 import sys
@@ -112,3 +113,26 @@ def test_the_linter_passes_and_holds_100_columns_in_what_a_copier_reads(tmp_path
     (tmp_path / "common.py").write_text("x = 1  # " + "w" * (COLUMNS - 8) + "\n")
     p = ruff("common.py", cwd=tmp_path)
     assert p.returncode == 1 and "E501" in p.stdout, p.stdout + p.stderr
+
+
+OLDEST_PYTHON = (3, 10)  # pyproject.toml's requires-python
+
+
+def test_what_a_copier_carries_parses_as_the_oldest_python_declared(tmp_path):
+    """Every file a copier carries is Python 3.10 (ast's feature_version: syntax, not library calls, which ruff's
+    reading of requires-python and a run on each Python check); a planted 3.11 `except*` fails it."""
+    def too_new(root):
+        found = []
+        for name in copied_files(root):
+            try:
+                ast.parse(read(root, name), name, feature_version=OLDEST_PYTHON)
+            except SyntaxError as e:
+                found.append(f"{name}:{e.lineno}: {e.msg}")
+        return found
+    assert too_new(ROOT) == []
+    assert 'requires-python = ">=3.10,' in read(ROOT, "pyproject.toml").decode()
+    for name in copied_files(ROOT):
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "train_extras" / "models.py").write_text("try:\n    pass\nexcept* ValueError:\n    pass\n")
+    assert [line.split(":")[0] for line in too_new(str(tmp_path))] == ["train_extras/models.py"]
