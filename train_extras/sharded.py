@@ -11,11 +11,13 @@ statistics mid-epoch, which FSDP leaves to differ), restored to each rank at the
 The file loads with weights_only=True.
 """
 import argparse
+import gc
 import os
 import re
 import shutil
 import sys
 import dataclasses
+import traceback
 import warnings
 
 import torch
@@ -103,6 +105,7 @@ class Saver:
         except CheckpointException as e:
             # (before the rmtree)
             error = common.save_failed(tmp[:-len(".tmp")], next(iter(e.failures.values()))[0])
+            free_quietly(e)
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error from None
@@ -117,6 +120,19 @@ class Saver:
             os.replace(tmp, tmp[:-len(".tmp")])
             for old in folders(self.out_dir)[:-KEEP]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def free_quietly(e):
+    """Frees the streams of a failed DCP write, which its exceptions hold, with nothing printed:
+    torch's NoCloseWriter flushes its file as it is freed, closed by then, and Python 3.13 and newer
+    print the ValueError (pytorch/pytorch#194034: that flush)."""
+    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:
+        for exception in [e, *(failure[0] for failure in e.failures.values())]:
+            traceback.clear_frames(exception.__traceback__)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def find(run):
