@@ -90,9 +90,14 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, *a, **kw):
         launcher = one_of_several() if self.one_process else None  # before its --local-rank
-        if launcher:
+        if launcher:  # (or variables left in the shell: named, and said once a machine)
+            names = [n for v in LAUNCHERS.values() for n in v] + ["SLURM_PROCID", "SLURM_LOCALID"]
+            told = " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
+            local = [v[2] for v in LAUNCHERS.values()] + ["SLURM_LOCALID"]
+            first = all(os.environ.get(n, "0") == "0" for n in local)
             raise UsageError(f"{self.prog} {self.one_process}: start it with python, not "
-                             f"{launcher}")
+                             f"{launcher} (its environment has {told})",
+                             printer=None if first else 0)
         args = super().parse_args(*a, **kw)
         args.device = device_type(args.device, self.collectives)
         return args
@@ -421,6 +426,9 @@ def micro_batches(x, n):
 
 def to_device(run, ds, x, y):
     """Moves a batch to the device (`x` of any structure), labels as class indices."""
+    if not isinstance(y, torch.Tensor):  # a dict sample ({"input_ids", "label"}): its keys
+        raise UsageError(f"a batch unpacked to ({type(x).__name__}, {type(y).__name__}): a sample "
+                         "must be a pair (x, label), x a tensor or a dict, list or tuple of them")
     y = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
     long = y.dtype if y.is_floating_point() else torch.long  # (float: the loss's own error)
     return nested(lambda t: input_on(run, ds, t), x), y.to(run.device, long, non_blocking=True)
@@ -430,7 +438,7 @@ def input_on(run, ds, x):
     """Moves one input tensor to the device (uint8 images: made float there)."""
     x = x.float() if x.dtype == torch.float64 else x  # numpy's default
     x = x.to(run.device, non_blocking=True)
-    x = ds.normalize(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize") else x
+    x = ds.normalize_uint8(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize_uint8") else x
     if run.args.channels_last and x.ndim == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     return x
@@ -507,6 +515,11 @@ def check_out_dir(run):
     if found and not (args.resume or args.overwrite):  # never replaced unasked
         raise UsageError(f"{out} holds the {found[-1]} of an earlier run: --resume auto "
                          "continues it, --overwrite replaces it, or give another --out-dir")
+    logged = rows(run)
+    if logged and not (found or args.overwrite):  # its checkpoints deleted, its log kept
+        raise UsageError(f"{out} holds the metrics.jsonl of an earlier run ({len(logged)} rows), "
+                         "which this one would replace: --overwrite replaces it, or give another "
+                         "--out-dir")
 
 
 def earlier_checkpoints(out):
