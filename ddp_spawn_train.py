@@ -270,6 +270,11 @@ def prepare(args):
     if args.sync_bn and args.device == "cpu":
         raise common.UsageError("--sync-bn needs a GPU: "
                                 "SyncBatchNorm's forward accepts no CPU tensors")
+    args.out_dir = args.out_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(__file__))[0])
+    run = common.Run(args=args, rank=0, world_size=args.nprocs, local_rank=0,
+                     device=torch.device("cpu"), out_dir=args.out_dir)
+    common.check_out_dir(run)  # a used --out-dir, refused before the children start (seconds each)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:  # a free port, never a hard-coded one that another job may hold
         s.bind(("", 0))

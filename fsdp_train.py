@@ -13,6 +13,7 @@ all-gathered just before its forward (and backward), its gradients reduce-scatte
 that own them, and each rank steps its own shard (docs/fsdp.md).
 """
 import argparse
+import collections
 import dataclasses
 import datetime
 import math
@@ -123,10 +124,10 @@ def make_mesh(run):
 
 
 def shard(model, mesh, precision, reshard_after_forward):
-    """Applies fully_shard bottom-up: each top-level child with parameters a group, all-gathered in
-    one collective just before it runs (resnet: conv1, layer1..layer4, fc); then the root, for what
-    is left. bf16: parameters gathered and computed in bfloat16, gradients reduced in fp32; each
-    BatchNorm a group that computes in fp32 and hands bf16 on."""
+    """Applies fully_shard bottom-up: each top-level child with parameters of its own a group,
+    all-gathered in one collective just before it runs (resnet: conv1, layer1..layer4, fc); then the
+    root, for what is left. bf16: parameters gathered and computed in bfloat16, gradients reduced
+    in fp32; each BatchNorm a group that computes in fp32 and hands bf16 on."""
     kw, bn = dict(mesh=mesh, reshard_after_forward=reshard_after_forward), \
         torch.nn.modules.batchnorm._BatchNorm
     bf16 = torch.bfloat16 if precision == "bf16" else None  # None: computed as they are, in fp32
@@ -135,8 +136,12 @@ def shard(model, mesh, precision, reshard_after_forward):
             fully_shard(m, **kw, mp_policy=MixedPrecisionPolicy(
                 torch.float32, torch.float32, output_dtype=bf16))
     mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32 if bf16 else None)
+    # a parameter in two children (a language model's head tied to its embedding) stays with the
+    # root: fully_shard refuses one parameter in two groups
+    owners = collections.Counter(p for child in model.children() for p in child.parameters())
     for child in model.children():
-        if next(child.parameters(), None) is not None and \
+        params = list(child.parameters())
+        if params and all(owners[p] == 1 for p in params) and \
                 not isinstance(child, (bn, torch.nn.LayerNorm, torch.nn.GroupNorm)):
             fully_shard(child, **kw, mp_policy=mp)
     fully_shard(model, **kw, mp_policy=mp)

@@ -13,7 +13,8 @@ a temporary folder, then times a whole pass over them, batch 64, shuffled, for e
                 torchvision.io.decode_image, then
                 transforms.v2 on the uint8 tensor (resize to 224x224, random crop with padding, flip); each
                 sample's randomness seeded from (seed, epoch, index). Batches leave the worker as uint8 and are
-                made float and normalized in this process (ImageFiles.normalize), as the scripts do on their device
+                made float and normalized in this process (ImageFiles.normalize_uint8), as the scripts do on their
+                device
   pretrained    train_extras.datasets.ImageFiles with --pretrained's training transform (RandomResizedCrop(224)
                 and flip, v2 on
                 the uint8 tensor): the same work as the baseline, done the scripts' way
@@ -62,11 +63,11 @@ def loaders(root, workers, batch):
     def as_the_scripts_load(ds):
         """common.make_loader's DataLoader for files (shuffled batches of indices, --workers processes), but with
         persistent workers, as the baseline's: the timed pass is the steady state, not the workers' start. (The
-        scripts start theirs once an epoch.) Batches come as uint8 and are normalized by `normalize` in this process,
-        as the scripts do on their device."""
+        scripts start theirs once an epoch.) Batches come as uint8 and are normalized by `normalize_uint8` in this
+        process, as the scripts do on their device."""
         loader = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), batch, drop_last=False),
                             num_workers=workers, persistent_workers=workers > 0, generator=torch.Generator())
-        loader.normalize = ds.normalize
+        loader.normalize_uint8 = ds.normalize_uint8
         return loader
     return {"baseline": DataLoader(baseline, batch_size=batch, shuffle=True, num_workers=workers,
                                    persistent_workers=workers > 0),
@@ -78,7 +79,7 @@ def images_per_s(loader):
         pass
     t, n = time.perf_counter(), 0
     for x, _ in loader:
-        x = getattr(loader, "normalize", torch.nn.Identity())(x)  # the scripts' loaders: uint8 to normalized float
+        x = getattr(loader, "normalize_uint8", torch.nn.Identity())(x)  # the scripts' loaders: uint8 to float
         n += len(x)
     assert x.dtype == torch.float32 and x.shape[1:] == (3, 224, 224), x.shape
     return n / (time.perf_counter() - t)

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import assert_exit, checkpoint, max_diff, metrics, worker_exit_codes
+from conftest import assert_exit, assert_same_training, checkpoint, max_diff, metrics, worker_exit_codes
 from processes import ROOT, TIMEOUT, alive, run
 
 SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process); ranks: by hand, env://
@@ -140,6 +140,32 @@ class Net(nn.Module):
         assert tokens.dtype == torch.int64 and tokens.ndim == 2, (tokens.dtype, tokens.shape)
         return self.head(self.encoder(self.embed(tokens) + self.position).mean(1))
 '''
+
+
+# ---- a language model's tie: the head's weight is the embedding's (one parameter in two modules), and the model is
+# smooth (tanh, no dropout), so that FSDP's and DDP's training differ by rounding only
+MINE_TIED = MINE_TEXT.replace("class Net(nn.Module):", "class Encoder(nn.Module):") + '''
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)  # logits over the vocabulary: the classes are tokens 0-2
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens).mean(1))))
+'''
+
+
+# ---- uint8 inputs that are not images, from a Dataset with attributes of its own named as the built-in datasets'
+# steps could be (`normalize`, `loader`): none is taken for one of them
+MINE_UINT8 = MINE_TEXT.replace("        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]\n",
+                               "        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]\n"
+                               "        self.x, self.normalize, self.loader = self.x.to(torch.uint8), False, open\n"
+                               ).replace("tokens.dtype == torch.int64", "tokens.dtype == torch.uint8"
+                                         ).replace("self.embed(tokens)", "self.embed(tokens.long())")
 
 
 # ---- a tokenizer's batches: each sample's input a dict of input_ids and attention_mask, with a tuple of two more
@@ -573,6 +599,65 @@ def test_a_transformer_over_int64_tokens_trains_through_a_copied_script_with_cha
     assert rows[-1]["val_acc"] > 0.6, rows  # chance is 1/3
     assert checkpoint(str(out))["model"]["embed.weight"].shape == (32, 32)
 
+
+
+@pytest.mark.full
+def test_a_model_with_tied_weights_trains_under_fsdp_to_ddps_weights_and_resumes_bit_for_bit_in_both_formats(
+        tmp_path, measured):
+    """A language model's tie (mine.py's Net: its head's weight is its embedding's): fsdp_train.py keeps the shared
+    parameter in the root's group (in two groups fully_shard refuses it), trains to DDP's weights within TOL, and
+    --max-steps 40 then --resume auto ends bit for bit where its unbroken run does, with last.pt and with
+    ckpt-<step> folders (train_extras/sharded.py)."""
+    ddp = copy_alone(tmp_path / "ddp", "ddp_launch_train.py", MINE_TIED)
+    fsdp = copy_alone(tmp_path / "fsdp", "fsdp_train.py", MINE_TIED)
+    (fsdp / "train_extras").mkdir()
+    for name in ("__init__.py", "sharded.py"):
+        shutil.copy(os.path.join(ROOT, "train_extras", name), fsdp / "train_extras")
+    args = ["--epochs", 2, "--batch-size", 16, "--lr", 0.1, "--workers", 0]  # 32 steps an epoch
+    ok(launch(ddp, "ddp_launch_train.py", *args, "--out-dir", tmp_path / "ddp_run", how="ranks"))
+    ok(launch(fsdp, "fsdp_train.py", *args, "--out-dir", tmp_path / "fsdp_run", how="ranks"))
+    assert checkpoint(str(tmp_path / "fsdp_run"))["model"].keys() >= {"embed.weight", "head.weight"}
+    assert_same_training(tmp_path / "fsdp_run", tmp_path / "ddp_run", measured, "tied weights, FSDP against DDP")
+    assert metrics(tmp_path / "fsdp_run")[-1]["val_acc"] > 0.6  # chance is 1/3
+    unbroken = checkpoint(str(tmp_path / "fsdp_run"))
+    for formats in ([], ["--ckpt-format", "dcp"]):
+        out = tmp_path / f"resumed{len(formats)}"
+        ok(launch(fsdp, "fsdp_train.py", *args, *formats, "--max-steps", 40, "--out-dir", out, how="ranks"))
+        p = ok(launch(fsdp, "fsdp_train.py", *args, *formats, "--resume", "auto", "--out-dir", out, how="ranks"))
+        assert "resuming at step 40" in p.stdout, p.stdout[-3000:]
+        final = checkpoint(str(out)) if not formats else sharded_final(out, tmp_path)
+        assert max_diff(final["model"], unbroken["model"]) == 0
+        assert max_diff(final["optimizer"], unbroken["optimizer"]) == 0
+
+
+def sharded_final(out, tmp_path):
+    """The highest ckpt-<step> folder in `out`, made one file and read."""
+    from train_extras.sharded import to_file
+    step = max(int(p.name[5:]) for p in out.glob("ckpt-*") if p.name[5:].isdigit())
+    to_file(str(out / f"ckpt-{step}"), str(tmp_path / "final.pt"))
+    return checkpoint(str(tmp_path / "final.pt"))
+
+
+@pytest.mark.full
+def test_a_datasets_own_normalize_attribute_is_not_taken_for_the_built_in_datasets_step(tmp_path):
+    """uint8 tokens from a Dataset that holds `normalize = False` (and `loader = open`): trained as they are."""
+    folder, out = copy_alone(tmp_path / "project", "ddp_launch_train.py", MINE_UINT8), tmp_path / "run"
+    assert "self.normalize" in (folder / "mine.py").read_text()
+    p = ok(launch(folder, "ddp_launch_train.py", "--epochs", 2, "--batch-size", 16, "--optimizer", "adamw", "--lr",
+                  0.003, "--workers", 0, "--out-dir", out))
+    assert not tracebacks(p) and metrics(out)[-1]["val_acc"] > 0.6, p.stderr[-3000:]
+
+
+@pytest.mark.full
+def test_a_sample_that_is_a_dict_with_its_label_inside_is_one_line_saying_what_a_sample_must_be(tmp_path):
+    """A Hugging Face-style row, {"input_ids": ..., "label": ...}, not (x, label): one `error:` line, exit 2."""
+    mine = MINE_TEXT.replace("        return self.x[i], int(self.y[i])",
+                             '        return {"input_ids": self.x[i], "label": int(self.y[i])}')
+    folder = copy_alone(tmp_path / "project", "ddp_launch_train.py", mine)
+    p = launch(folder, "ddp_launch_train.py", "--epochs", 1, "--workers", 0, "--out-dir", tmp_path / "run")
+    assert_exit(p, 2)
+    assert error_lines(p) == ["error: a batch unpacked to (str, str): a sample must be a pair (x, label), x a tensor "
+                              "or a dict, list or tuple of them"] and not tracebacks(p), p.stderr[-3000:]
 
 
 # ---- 4. batches of any structure

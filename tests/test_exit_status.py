@@ -95,6 +95,28 @@ def test_hand_launched_rank_that_waited_for_a_stuck_one_exits_3_naming_it(tmp_pa
 
 
 @pytest.mark.full
+def test_hand_launched_rank_0_frozen_with_the_store_it_holds_ends_rank_1_within_the_step_timeout_and_seconds(tmp_path):
+    """Rank 0 stuck after step 2, then frozen (SIGSTOP: its process, which holds the store of an env:// launch by
+    hand, srun's or mpirun's, answers nothing): rank 1's collective times out after --step-timeout, and its store
+    calls wait a few seconds at most, not the store's start-up timeout of 10 minutes: rank 1 says so in one line and
+    exits 3."""
+    env, hooks = hang_env(tmp_path, 0)
+    ranks = hand_launched(tmp_path, *HANG, "--out-dir", tmp_path / "out", env=env, wait_for=[])
+    try:
+        ranks.procs[0].until(lambda: hooks.ranks("hung"), "rank 0 stuck")
+        os.kill(int(hooks.ranks("hung")[0]), signal.SIGSTOP)
+        frozen = time.monotonic()
+        assert ranks.wait(1, timeout=60) == 3, ranks.output()
+        seconds = time.monotonic() - frozen
+    finally:
+        ranks.kill()
+    said = errors(ranks.stderr(1))
+    assert said == ["error: a collective timed out, and the store does not answer: rank 0, whose process holds it, "
+                    "is gone or frozen"], ranks.output()
+    assert seconds < 3 + 5 + 10, seconds  # --step-timeout, the store's few seconds, and the exit
+
+
+@pytest.mark.full
 def test_without_train_extras_hangs_the_rank_that_waited_exits_3_with_torchs_timeout_in_one_line(tmp_path):
     """The script and common.py copied without train_extras/hangs.py: the waiting rank does not name the stuck one,
     but ends all the same, with torch's own timeout error as its one line, and exit 3."""

@@ -255,14 +255,14 @@ def test_pretrained_preprocessing_is_the_weights_own(images):
     assert a.shape == (3, 64, 64) and torch.equal(a, b) and not torch.equal(a, c) and torch.equal(train[5][0], a)
     assert not torch.equal(ImageFiles(images / "train", 64, True, 1, weights)[5][0], a)  # and of the seed
     # training images leave the workers as uint8; a random crop of a one-colour image is that colour, and
-    # normalize, on the batch, gives it the weights' mean and std
+    # normalize_uint8, on the batch, gives it the weights' mean and std
     flat = train.transform(Image.new("RGB", (40, 48), (255, 0, 128)))
     assert flat.dtype == torch.uint8 and flat.shape == (3, 64, 64) and flat[:, 5, 7].tolist() == [255, 0, 128]
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
     colour = (torch.tensor([255, 0, 128]) / 255 - mean) / std
-    batch = train.normalize(torch.stack([flat, flat]))
+    batch = train.normalize_uint8(torch.stack([flat, flat]))
     assert batch.dtype == torch.float32 and torch.allclose(batch, colour[:, None, None].expand(2, 3, 64, 64), atol=1e-5)
-    assert val.normalize(x) is x  # validation is float already: left as it is
+    assert val.normalize_uint8(x) is x  # validation is float already: left as it is
 
 
 def test_an_image_folder_copied_from_a_mac_trains_on_its_images_alone(images, tmp_path):

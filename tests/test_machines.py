@@ -139,7 +139,7 @@ def test_a_one_process_script_under_the_old_launcher_says_how_it_is_started(scri
     p = command([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=1",
                  f"--master_port={free_port()}", script, *TINY])
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].endswith("start it with python, not python -m torch.distributed.launch"), \
+    assert len(errors) == 1 and "start it with python, not python -m torch.distributed.launch (" in errors[0], \
         p.stderr[-3000:]
 
 

@@ -2,6 +2,7 @@
 replaces the whole earlier run (every last.pt and ckpt-<step> folder), never part of it; a resume on other data (a
 seed, a size, a data set, a sample count) is refused, even where the steps per epoch agree."""
 import os
+import shutil
 
 import pytest
 
@@ -74,3 +75,23 @@ def test_a_resume_on_other_data_is_refused_even_with_the_same_steps_per_epoch(tm
         line = one_line(p)
         assert f"trained on other data ({what})" in line and "--weights" in line, line
         assert (out / "last.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", pytest.param("fsdp_train.py", marks=pytest.mark.full)])
+def test_an_earlier_runs_metrics_without_its_checkpoint_are_never_replaced_unasked(script, tmp_path):
+    """Its checkpoints deleted (a full disk), its metrics.jsonl kept: a fresh run, and a --resume auto that finds
+    nothing to continue, are refused in one line, the rows byte for byte the same; --overwrite starts afresh."""
+    out = tmp_path / "run"
+    run(script, *ARGS, "--out-dir", out, *(["--ckpt-format", "dcp"] if script == "fsdp_train.py" else []))
+    for name in os.listdir(out):
+        if name != "metrics.jsonl":
+            shutil.rmtree(out / name) if (out / name).is_dir() else os.remove(out / name)
+    rows = (out / "metrics.jsonl").read_text()
+    assert len(rows.splitlines()) == 2
+    for more in ([], ["--resume", "auto"]):
+        p = run(script, *ARGS, "--epochs", 1, "--max-steps", 4, "--out-dir", out, *more, check=False)
+        assert_exit(p, 2)
+        assert "holds the metrics.jsonl of an earlier run (2 rows)" in one_line(p)
+        assert (out / "metrics.jsonl").read_text() == rows and os.listdir(out) == ["metrics.jsonl"]
+    run(script, *ARGS, "--epochs", 1, "--out-dir", out, "--overwrite")
+    assert [r["step"] for r in metrics(out)] == [8]

@@ -283,6 +283,20 @@ def test_the_one_process_scripts_refuse_torchrun(script, tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("left", [{"RANK": 1, "WORLD_SIZE": 2}, {"RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "x",
+                                                                "MASTER_PORT": 1}], ids=["rank-1", "rank-0"])
+def test_launcher_variables_left_in_the_shell_are_named_in_one_line(left, tmp_path):
+    """`RANK=1 WORLD_SIZE=2 python ddp_spawn_train.py` (an earlier job's variables, still set): one line that names
+    them, exit 2, also where the variables say rank 1 (whose lines rank 0 would print, were there one)."""
+    p = run("ddp_spawn_train.py", *TINY, "--out-dir", tmp_path / "run", env=left, check=False)
+    assert_exit(p, 2)
+    lines = p.stderr.splitlines()
+    told = " ".join(f"{k}={v}" for k, v in left.items() if k in ("RANK", "WORLD_SIZE"))
+    assert len(lines) == 1 and lines[0].startswith("error: ddp_spawn_train.py starts its own processes") and \
+        f"(its environment has {told})" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag", ["--batch-size", "--nprocs"])
 def test_spawn_usage_errors_exit_2(tmp_path, flag):
     p = run("ddp_spawn_train.py", flag, 0, "--out-dir", tmp_path, check=False)

@@ -195,7 +195,7 @@ class ImageFiles(Dataset):
     """The images of root/<class>/<image>, resized to `size` (with random crop and flip where
     `augment`), or with `weights` (--pretrained) preprocessed as theirs. Decoded by torchvision.io
     and transformed while still uint8 (4x fewer bytes to carry to the main process and the GPU),
-    made float by `normalize` on the device."""
+    made float by `normalize_uint8` on the device."""
 
     def __init__(self, root, size, augment, seed, weights=None):
         # its list of files and classes (read by pil_rgb or torchvision.io)
@@ -241,7 +241,7 @@ class ImageFiles(Dataset):
                 int(per_sample_random(self.seed, self.epoch, torch.tensor(i))))
             return self.transform(image), label
 
-    def normalize(self, x):
+    def normalize_uint8(self, x):
         """A uint8 batch of these images, on its device, made float and normalized (the scale to
         [0, 1] folded into the mean and std: Python scalars, nothing copied to the GPU). Validation
         with --pretrained is float already."""

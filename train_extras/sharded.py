@@ -144,6 +144,7 @@ def find(run):
     if os.path.isdir(out_dir):
         for name in os.listdir(out_dir):
             if re.fullmatch(r"ckpt-\d+\.tmp", name):
+                print(f"{name}: a save cut short, removed", flush=True)
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
         found = folders(out_dir)
     if args.resume == "auto":
@@ -152,7 +153,7 @@ def find(run):
         ckpt = read(path, run)
         common.take_over_out_dir(run)  # now that it is accepted
         return common.drop_logged_row(run, ckpt)
-    resume_file = argparse.Namespace(**{**vars(args), "resume": path})
+    resume_file = argparse.Namespace(**{**vars(args), "resume": path or args.resume})  # auto: none
     return common.checkpoint_to_resume(dataclasses.replace(run, args=resume_file))
 
 

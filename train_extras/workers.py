@@ -106,7 +106,8 @@ def fork_server(args):
     # its socket in a folder of its own, which the server removes as it ends (the scripts end by
     # os._exit: multiprocessing's own pymp-* folder would stay in TMPDIR, one each run)
     folder = tempfile.mkdtemp(prefix="workers-")
-    if len(folder) > 90:  # a socket's path ends at 107 bytes: a deep TMPDIR gets "path too long"
+    # a socket's path ends at 107 bytes, not characters: a deep TMPDIR gets "path too long"
+    if len(os.fsencode(folder)) > 90:
         os.rmdir(folder)
         folder = tempfile.mkdtemp(prefix="workers-", dir="/tmp")
     listener, address = socket.socket(socket.AF_UNIX), os.path.join(folder, "server")
