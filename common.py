@@ -1,4 +1,11 @@
-"""What the scripts share, however their processes are launched (the extras: train_extras/)."""
+"""What the scripts share, however their processes are launched; the optional features are
+train_extras/, each used where its file is (extra).
+
+It reads in the order a run meets it: the flags, the extras, the run's fields, who this process
+is, the data and the model, --out-dir and the checkpoint, then where training stands, what the
+ranks agree on and rank 0's output. Below the banner "stopping and failing", what a run does only
+when it stops or fails: the endings and their exit statuses, the stop signals, the DataLoader
+workers' deafness to them, and the exit."""
 import argparse
 import contextlib
 import dataclasses
@@ -24,7 +31,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-EXTRA_FLAGS = {
+# ---- the command line: the same flags in every script
+EXTRA_FLAGS = {  # the flags of the extras that have any
     "datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
                  "--synthetic-shape"),
     "models": ("--model",),
@@ -32,38 +40,6 @@ EXTRA_FLAGS = {
     "tensorboard": ("--tensorboard",)}
 
 
-class Ending(Exception):
-    """Ends the run with one line, printed by rank `printer` (None: each rank that raises it)."""
-
-    def __init__(self, message, printer=0):
-        super().__init__(message)
-        self.printer = printer
-
-
-class UsageError(Ending):
-    code = 2  # the user's: a flag, a launch, a file, the data
-
-
-class NanLoss(Ending):
-    code = 1  # a NaN/inf loss on any rank: all stop at one step
-
-
-class Hang(Ending):
-    code = 3  # a rank or a worker stopped answering (--step-timeout)
-
-
-class Stopped(Ending):
-    """A stop signal: exit 0 after SIGUSR1 (a requeue), else 128 + its number."""
-
-    def __init__(self, signum, step=None):
-        how = "before training: nothing was saved"
-        if step is not None:
-            how = f"at step {step}, where last.pt was saved: --resume auto continues"
-        super().__init__(f"stopped by {signal.Signals(signum).name} {how}")
-        self.code = 0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum
-
-
-# ---- the command line: the same flags in every script
 def number(kind, low, above=False):
     """Returns an argparse type: a number at least `low` (above, if `above`), not NaN nor inf."""
     def parse(text):
@@ -140,8 +116,15 @@ def get_parser(doc):
     return p
 
 
+# ---- the extras: train_extras/<name>.py, each used where its file is
+EXTRAS = ("datasets", "models", "finetune", "tensorboard", "workers", "hangs", "restart", "sharded")
+
+
 def extra(name):
-    """Returns train_extras/<name>.py if copied, else a NotCopied."""
+    """Returns train_extras/<name>.py if copied, else a NotCopied (a name not of EXTRAS: one
+    line)."""
+    if name not in EXTRAS:
+        raise UsageError(f"no extra named {name!r}: train_extras/ holds {', '.join(EXTRAS)}")
     try:
         return importlib.import_module(f"train_extras.{name}")
     except ModuleNotFoundError as e:
@@ -199,7 +182,9 @@ class Run:
     model: torch.nn.Module = None  # as trained: wrapped (DDP, DataParallel), maybe compiled
     optimizer: torch.optim.Optimizer = None
     scheduler: object = None  # the LR, per step
-    progress: "Progress" = None
+    position: "Position" = None  # where training stands
+    agreement: "Agreement" = None  # what the ranks agree on at a check
+    output: "Output" = None  # rank 0's bar, log lines and metrics rows
 
 
 # ---- who this process is, and on what device, under every launcher
@@ -348,65 +333,6 @@ def make_loader(ds, batches, run):
                   timeout=run.args.step_timeout if workers else 0)
 
 
-class Loader(DataLoader):
-    """A DataLoader whose workers are deaf to stop signals from their first instruction, and so are
-    the helpers that their start method starts with them: the fork server (Python 3.14's default
-    on Linux) and the resource tracker. All inherit the signals blocked; killed by a job's stop
-    signal, a helper would take the workers with it, and the save too."""
-
-    def __iter__(self):  # (the workers start here)
-        if not self.num_workers:
-            return super().__iter__()
-        with stop_signals_blocked():
-            return super().__iter__()
-
-
-@contextlib.contextmanager
-def stop_signals_blocked():
-    """Blocks the stop signals in this thread: a process started meanwhile, by fork or by spawn,
-    inherits them blocked (the mask survives exec). One that comes meanwhile is not lost: another
-    thread takes it, or this one when unblocked."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows
-        yield
-        return
-    start_resource_tracker()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def start_resource_tracker():
-    """Starts multiprocessing's resource tracker (if not running) deaf to the stop signals. This
-    process's children share it, to unlink their semaphores if they cannot; killed by a job's stop
-    signal, it would be started again, with a traceback for each semaphore it knew."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no tracker
-        return
-    from multiprocessing import resource_tracker
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:  # (a call of its own: Python 3.11 and older 3.12s unblock SIGINT and SIGTERM in this
-        resource_tracker.ensure_running()  # thread as they start it, python/cpython#127586)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def deaf(_):
-    """Makes a DataLoader worker ignore stop signals: its trainer saves, then ends it
-    (Lightning-AI/pytorch-lightning#17899)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def end_workers():
-    """Kills the DataLoader workers, which ignore SIGTERM (first SIGCHLD's handler: no reports)."""
-    if hasattr(signal, "SIGCHLD"):
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-
-
 def nested(fn, x):
     """Applies fn to every tensor in x: nested dicts, lists, (named) tuples."""
     if isinstance(x, dict):
@@ -458,7 +384,7 @@ def make_optimizer(args, model, steps_per_epoch):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# ---- checkpoints: written atomically, read on the CPU, checked before use
+# ---- --out-dir and checkpoints: one run a folder; written atomically, read on the CPU, checked
 def save_atomic(obj, path):
     """Saves obj to a temporary file, fsynced, renamed over `path`: a kill leaves the last one."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -481,6 +407,16 @@ def save_failed(path, e):
         if shutil.disk_usage(os.path.dirname(path) or ".").free < 2**20:
             why = os.strerror(errno.ENOSPC)
     return UsageError(f"could not save {path}: {why[:120]}. The previous checkpoint is whole")
+
+
+def finish_save(run, state):
+    """Every rank, to finish a save: rank 0 writes `state` to last.pt (None: every rank has
+    written its part already) while the others wait; a failed write stops every rank. Then, where
+    the ranks agreed on a stop, the run ends here, saved (Stop.end)."""
+    if state is not None:
+        on_rank0(lambda: save_atomic(state, os.path.join(run.out_dir, "last.pt")), run.rank)
+    run.position.saved = True
+    STOP.end(run.position.step)
 
 
 def read_checkpoint(path):
@@ -546,25 +482,29 @@ def checkpoint_to_resume(run):
         model = ckpt.get("model") if isinstance(ckpt, dict) else None
         shapes = {k: v.shape for k, v in model.items()} if isinstance(model, dict) else None
         ckpt = check_fits(path, ckpt, shapes, run)
-    take_over_out_dir(run)  # the checkpoint accepted
     return drop_logged_row(run, ckpt)
 
 
-def take_over_out_dir(run):
-    """Rank 0: makes --out-dir; --overwrite deletes the earlier run there, all of it (--resume
-    auto would take the rest)."""
+def take_over_out_dir(run, ckpt):
+    """Rank 0, once the checkpoint to resume (if any) is accepted: makes --out-dir; --overwrite
+    deletes the earlier run there, all of it (--resume auto would take the rest); and a resume
+    keeps in metrics.jsonl only the rows of the epochs its checkpoint covers."""
     try:
         os.makedirs(run.out_dir, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out-dir {run.out_dir}: {e.strerror}") from None
-    if not run.args.overwrite:
-        return
-    for name in earlier_checkpoints(run.out_dir) + ["metrics.jsonl"]:
-        path = os.path.join(run.out_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
+    if run.args.overwrite:
+        for name in earlier_checkpoints(run.out_dir) + ["metrics.jsonl"]:
+            path = os.path.join(run.out_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    path = os.path.join(run.out_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        kept = [r for r in rows(run) if r["epoch"] <= (ckpt["epoch"] if ckpt else 0)]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
 
 
 def drop_logged_row(run, ckpt):
@@ -631,26 +571,96 @@ def restore_rng(saved, run):
         torch.manual_seed((run.args.seed * 1_000_000_007 + position * 1_009 + run.rank) % 2**63)
 
 
-# ---- where training stands, what the ranks agree on, and rank 0's output
-received = 0  # the stop signal this process got (set by its handler)
-STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")
-                if hasattr(signal, n)]
+# ---- where training stands
+class Position:
+    """Where training stands: the epoch, the step, the sums of the losses and gradient norms (on
+    the device: no host sync), and what a checkpoint saves of it (state)."""
+
+    def __init__(self, run, saved=None):
+        self.run, self.saved = run, saved is not None  # saved: a checkpoint is there
+        saved = saved or {"epoch": 0}
+        self.epoch, self.row = saved["epoch"], saved.get("row")  # a row: evaluated first
+        self.saved_sums = [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
+        self.step_in_epoch = saved.get("samples_in_epoch", 0) // run.global_batch
+        self.step = self.epoch * run.steps_per_epoch + self.step_in_epoch
+        self.first_step = self.step  # this process's first
+        self.exact = torch.float32 if run.device.type == "mps" else torch.float64  # the sums'
+        self.epoch_done = self.last = self.save_due = False
+
+    def start_epoch(self, epoch):
+        """A resumed epoch keeps the sums of its saved part."""
+        self.row = None  # the epoch's metrics, once trained
+        self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
+        sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
+        self.sums = torch.tensor(sums, dtype=self.exact, device=self.run.device)
+        self.loss_sum, self.norm_sum = self.sums.unbind()  # views
+
+    def step_done(self, loss, norm=None):
+        """Counts a step (fp16's skipped ones: norm inf, counted 0); says whether it ends the epoch
+        or the run (last: the caller saves) and whether --save-every saves it."""
+        self.loss_sum += loss
+        if norm is not None:
+            self.norm_sum += torch.nan_to_num(norm, 0.0, 0.0)
+        self.step, self.step_in_epoch = self.step + 1, self.step_in_epoch + 1
+        args = self.run.args
+        self.epoch_done = self.step_in_epoch == self.run.steps_per_epoch
+        self.last = self.epoch_done or self.step == args.max_steps
+        self.save_due = bool(args.save_every) and self.step % args.save_every == 0
+
+    def state(self, sums):
+        """Returns what a checkpoint holds of the position, the sums averaged over the ranks: the
+        next step to take, in samples of its epoch (another world size resumes there too)."""
+        run = self.run
+        epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
+        sums = sums if steps else [0.0, 0.0]
+        return {"epoch": epoch, "step_in_epoch": steps,
+                "samples_in_epoch": steps * run.global_batch,
+                "steps_per_epoch": run.steps_per_epoch, "global_batch": run.global_batch,
+                "loss_sum": sums[0], "grad_norm_sum": sums[1], "row": self.row,
+                "data": data_of(run)}
 
 
-def note_signal(signum, _):
-    """Notes a stop signal. A second Ctrl-C ends the run at once, a second SIGTERM does not
-    (torchrun passes each on; SLURM signals every process)."""
-    global received
-    if signum == signal.SIGINT:
-        signal.signal(signum, signal.SIG_DFL)
-    received = max(received, signum)
+# ---- what the ranks agree on
+class Agreement:
+    """What every rank learns at the same step, in one all-reduce at a check: the first step whose
+    loss was NaN/inf on any rank (NanLoss), a stop signal any rank got (STOP.agreed), and the time
+    a step takes. A check comes every --log-every steps, about every CHECK_S seconds, and where
+    all ask (a save, the last step, the end of an evaluation)."""
+    CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
 
+    def __init__(self, run):
+        self.run = run
+        self.first_bad = torch.full((), self.NEVER, dtype=run.position.exact, device=run.device)
+        self.next_check, self.checked = run.position.step + 1, None  # (step, time) of the last
 
-def catch_stop_signals():
-    """From now on, a stop signal saves and stops every rank at one step (unless ignored)."""
-    for sig in STOP_SIGNALS:
-        if not received and signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, note_signal)
+    def step_done(self, loss):
+        """Notes a NaN/inf loss (on the device: no host sync), then checks where one is due."""
+        position = self.run.position
+        bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
+        self.first_bad = torch.where(bad, position.step, self.first_bad)
+        if position.save_due or position.last or position.step >= self.next_check:
+            self.check()
+
+    def check(self):
+        """All-reduces the first NaN/inf step, the stop signal and the seconds since the last check;
+        then sets the next check (about CHECK_S s on, and at the next --log-every step)."""
+        args, position, step = self.run.args, self.run.position, self.run.position.step
+        since = time.monotonic() - self.checked[1] if self.checked else 0.0
+        flags = torch.cat([-self.first_bad[None], torch.tensor([STOP.received, since]).to(
+            self.run.device, position.exact)])
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        first_bad = -flags[0].item()
+        if first_bad < self.NEVER:
+            older = "the last checkpoint is older" if position.saved else "nothing was saved"
+            raise NanLoss(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}")
+        STOP.agreed = int(flags[1].item())
+        if self.checked and self.checked[0] == step:  # again at this step (an evaluation's end)
+            return
+        per_step = flags[2].item() / (step - self.checked[0]) if self.checked else math.inf
+        every = min(args.log_every - step % args.log_every,
+                    max(1, int(self.CHECK_S / max(per_step, 1e-9))))
+        self.next_check, self.checked = step + every, (step, time.monotonic())
 
 
 def set_step_timeout(seconds):
@@ -659,97 +669,40 @@ def set_step_timeout(seconds):
         set_timeout(datetime.timedelta(seconds=seconds))
 
 
-class Progress:
-    """Counts where training stands; checks the ranks' NaN/inf and stop signals together."""
-    CHECK_S, NEVER = 2.0, 2.0**52  # the checks' cadence in seconds; "no NaN/inf step yet"
+# ---- rank 0's output: a progress bar (a log line where it is not a terminal), the metrics rows
+class Output:
+    """Rank 0's output while it trains: the bar, a line every --log-every steps, the epoch's
+    metrics row, and their speed (from the end of the first step)."""
 
-    def __init__(self, run, saved=None):
-        self.args, self.rank, self.device = run.args, run.rank, run.device
-        self.scheduler, self.steps_per_epoch = run.scheduler, run.steps_per_epoch
-        self.global_batch, self.saved = run.global_batch, saved is not None
-        saved = saved or {"epoch": 0}
-        self.epoch = saved["epoch"]
-        self.saved_sums = [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
-        self.step_in_epoch = saved.get("samples_in_epoch", 0) // self.global_batch
-        self.step = self.epoch * self.steps_per_epoch + self.step_in_epoch
-        self.first_step = self.step  # this process's first
-        self.exact = torch.float32 if self.device.type == "mps" else torch.float64  # the sums'
-        self.first_bad = torch.full((), self.NEVER, dtype=self.exact, device=self.device)
-        self.next_check, self.checked = self.step + 1, None
-        self.stopping, self.row = 0, saved.get("row")  # an agreed signal; a row to evaluate
-        self.data = data_of(run)
-        self.epoch_done = self.last = self.save_due = False
+    def __init__(self, run):
+        self.run = run
 
-    def start_epoch(self, epoch):  # a resumed epoch keeps the sums of its saved part
-        self.row = None  # the epoch's metrics, once trained
-        self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
-        sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
-        self.sums = torch.tensor(sums, dtype=self.exact, device=self.device)
-        self.loss_sum, self.norm_sum = self.sums.unbind()  # views, on the device: read at checks
-        self.t0 = self.t1 = None
+    def start_epoch(self):
+        self.t0 = self.t1 = None  # (time, step) at the end of the first step; the epoch's end
         tqdm.set_lock(threading.RLock())  # not a semaphore, which os._exit would leak
-        self.bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, leave=False,
-                        desc=f"epoch {epoch + 1}", disable=None if self.rank == 0 else True)
+        position = self.run.position
+        self.bar = tqdm(total=self.run.steps_per_epoch, initial=position.step_in_epoch,
+                        leave=False, desc=f"epoch {position.epoch + 1}",
+                        disable=None if self.run.rank == 0 else True)
 
-    def step_done(self, loss, norm=None):
-        """Counts a step (fp16's skipped ones: norm inf, counted 0); returns a stop signal that the
-        ranks agreed on at a check."""
-        bad = ~torch.isfinite(loss) & (self.first_bad == self.NEVER)
-        self.first_bad = torch.where(bad, self.step + 1, self.first_bad)
-        self.loss_sum += loss
-        if norm is not None:
-            self.norm_sum += torch.nan_to_num(norm, 0.0, 0.0)
-        self.last_loss, self.step, self.step_in_epoch = loss, self.step + 1, self.step_in_epoch + 1
-        if self.t0 is None:  # the time from the end of the first step
-            self.t0 = (self.clock(), self.step)
+    def step_done(self, loss):
+        """Moves the bar; every --log-every steps, writes the loss, LR and speed (a host sync)."""
+        position, run = self.run.position, self.run
+        if self.t0 is None:
+            self.t0 = (self.clock(), position.step)
         self.bar.update()
-        self.epoch_done = self.step_in_epoch == self.steps_per_epoch
-        self.last = self.epoch_done or self.step == self.args.max_steps  # the caller saves
-        self.save_due = bool(self.args.save_every) and self.step % self.args.save_every == 0
-        return self.check(every_rank=self.save_due or self.last)
-
-    def check(self, every_rank):
-        """Every --log-every steps (or CHECK_S s), or where all ask: all-reduces the first NaN/inf
-        step (NanLoss) and a stop signal (returned)."""
-        if not (every_rank or self.step >= self.next_check):
-            return None
-        since = time.monotonic() - self.checked[1] if self.checked else 0.0
-        flags = torch.cat([-self.first_bad[None],
-                           torch.tensor([received, since]).to(self.device, self.exact)])
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        first_bad = -flags[0].item()
-        if first_bad < self.NEVER:
-            older = "the last checkpoint is older" if self.saved else "nothing was saved"
-            raise NanLoss(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}")
-        per_step = flags[2].item() / (self.step - self.checked[0]) if self.checked else math.inf
-        every = min(self.args.log_every - self.step % self.args.log_every,  # about CHECK_S apart
-                    max(1, int(self.CHECK_S / max(per_step, 1e-9))))
-        self.next_check, self.checked = self.step + every, (self.step, time.monotonic())
-        if self.step % self.args.log_every == 0:
-            self.log_step()
-        self.stopping = int(flags[1].item())
-        return self.stopping
-
-    def log_step(self):
-        values = {"loss": f"{self.last_loss.item():.4f}",
-                  "lr": f"{self.scheduler.get_last_lr()[0]:.2e}",
+        if position.step % run.args.log_every:
+            return
+        values = {"loss": f"{loss.item():.4f}", "lr": f"{run.scheduler.get_last_lr()[0]:.2e}",
                   "samples_per_s": f"{self.samples_per_s():.0f}"}
-        if self.rank == 0 and self.bar.disable and not self.epoch_done:
-            print(f"epoch {self.epoch + 1}: step {self.step_in_epoch} of {self.steps_per_epoch}  "
-                  + "  ".join(map(" ".join, values.items())), flush=True)
+        if run.rank == 0 and self.bar.disable and not position.epoch_done:
+            print(f"epoch {position.epoch + 1}: step {position.step_in_epoch} of "
+                  f"{run.steps_per_epoch}  " + "  ".join(map(" ".join, values.items())), flush=True)
         self.bar.set_postfix(values, refresh=False)
 
-    def stop_agreed(self):
-        """Returns a stop signal that any rank got (an all-reduce where no check is due)."""
-        flag = torch.tensor([received], dtype=self.exact, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
     def clock(self):  # the accelerator's queued work is part of the time
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
+        if self.run.device.type != "cpu":
+            torch.accelerator.synchronize(self.run.device)
         return time.perf_counter()
 
     def end_epoch(self):
@@ -757,24 +710,17 @@ class Progress:
         self.t1 = self.clock()
 
     def epoch_row(self, **row):
-        """Fills the row's training half: saved, then evaluated (on resume: evaluated first)."""
-        self.row = {"epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch,
-                    "step": self.step, **row, "lr": self.scheduler.get_last_lr()[0],
-                    "samples_per_s": self.samples_per_s(),
-                    "epoch_time_s": self.t1 - self.t0[0] if self.t0 else 0.0}
+        """Returns the row's training half: saved, then evaluated (on resume: evaluated first)."""
+        position = self.run.position
+        return {"epoch": position.epoch + position.step_in_epoch / self.run.steps_per_epoch,
+                "step": position.step, **row, "lr": self.run.scheduler.get_last_lr()[0],
+                "samples_per_s": self.samples_per_s(),
+                "epoch_time_s": self.t1 - self.t0[0] if self.t0 else 0.0}
 
     def samples_per_s(self):
         seconds = (self.t1 or self.clock()) - self.t0[0] if self.t0 else 0.0
-        return (self.step - self.t0[1]) * self.global_batch / seconds if seconds > 0 else 0.0
-
-    def state(self, sums):
-        self.saved = True
-        epoch, steps = (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step_in_epoch)
-        sums = sums if steps else [0.0, 0.0]
-        return {"epoch": epoch, "step_in_epoch": steps,
-                "samples_in_epoch": steps * self.global_batch,
-                "steps_per_epoch": self.steps_per_epoch, "global_batch": self.global_batch,
-                "loss_sum": sums[0], "grad_norm_sum": sums[1], "row": self.row, "data": self.data}
+        steps = self.run.position.step - self.t0[1] if self.t0 else 0
+        return steps * self.run.global_batch / seconds if seconds > 0 else 0.0
 
 
 def rows(run):
@@ -790,13 +736,14 @@ def rows(run):
     return found
 
 
-def start_output(run):
-    """Rank 0: keeps in metrics.jsonl the rows of the epochs the checkpoint covers."""
-    path = os.path.join(run.out_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        kept = [r for r in rows(run) if r["epoch"] <= run.progress.epoch]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+def finish_epoch(run, row):
+    """Every rank, once the epoch is evaluated: rank 0 writes its row (metrics.jsonl, the
+    screen, --tensorboard; a failed write stops every rank). Then the ranks agree on a stop that
+    came during the evaluation, which ends the run here: it was saved before it."""
+    on_rank0(lambda: log_epoch(run, row), run.rank)
+    run.agreement.check()
+    STOP.end(run.position.step)
 
 
 def log_epoch(run, row):
@@ -821,55 +768,192 @@ def log_epoch(run, row):
           f"{row['samples_per_s']:.0f} samples/s", flush=True)
 
 
-# ---- how a run ends: one line, printed once, and its exit status
+# ==================================================================================================
+# Stopping and failing. All that follows is what a run does only when it stops or fails: how it
+# ends (each ending a line and a status), the stop signals, how DataLoader workers and their
+# helpers stay deaf to them, and the exit. A run that neither stops nor fails uses none of it.
+# ==================================================================================================
+
+# ---- the endings: one line, printed once, and an exit status
+class Ending(Exception):
+    """Ends the run with one line, printed by rank `printer` (None: each rank that raises it;
+    -1: none), and the exit status `code`."""
+
+    def __init__(self, message, printer=0):
+        super().__init__(message)
+        self.printer = printer
+
+
+class UsageError(Ending):
+    code = 2  # the user's: a flag, a launch, a file, the data
+
+
+class NanLoss(Ending):
+    code = 1  # a NaN/inf loss on any rank: all stop at one step
+
+
+class Hang(Ending):
+    code = 3  # a rank or a worker stopped answering (--step-timeout)
+
+
+class Failed(Ending):
+    code = 1  # an error of the code's own, torch's or the user's: its traceback is its line
+
+
+class Stopped(Ending):
+    """A stop signal: exit 0 after SIGUSR1 (a requeue), else 128 + its number."""
+
+    def __init__(self, signum, step=None, printer=0):
+        how = "before training: nothing was saved"
+        if step is not None:
+            how = f"at step {step}, where last.pt was saved: --resume auto continues"
+        super().__init__(f"stopped by {signal.Signals(signum).name} {how}", printer)
+        self.code = 0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum
+
+
+# ---- the stop: a signal, agreed on by the ranks, acted on at one step
+STOP_SIGNALS = [getattr(signal, n) for n in ("SIGUSR1", "SIGTERM", "SIGHUP", "SIGINT")
+                if hasattr(signal, n)]
+
+
+class Stop:
+    """The stop signals of this process. Its handler notes one (received); the ranks agree on it at
+    their next check (Agreement.check sets agreed); the scripts save at that step, and the run
+    ends there (end: the one place a Stopped is raised). A second Ctrl-C ends the run at once, a
+    second SIGTERM does not (torchrun passes each on; SLURM signals every process)."""
+
+    def __init__(self):
+        self.received = self.agreed = 0
+        self.unfinished_saves = []  # finished before the run ends: sharded.py's, in the background
+
+    def catch(self):
+        """From now on, a stop signal saves and stops every rank at one step (unless ignored)."""
+        for sig in STOP_SIGNALS:
+            if not self.received and signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, self.note)
+
+    def note(self, signum, _):
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
+        self.received = max(self.received, signum)
+
+    def end(self, step):
+        """Ends the run at `step`, saved, where the ranks agreed on a stop."""
+        if self.agreed:
+            for finish in self.unfinished_saves:
+                finish()
+            raise Stopped(self.agreed, step)
+
+
+STOP = Stop()
+
+
+# ---- DataLoader workers: deaf to the stop signals, ended by their trainer
+class Loader(DataLoader):
+    """A DataLoader whose workers are deaf to stop signals from their first instruction, and so are
+    the helpers that their start method starts with them: the fork server (Python 3.14's default
+    on Linux) and the resource tracker. All inherit the signals blocked; killed by a job's stop
+    signal, a helper would take the workers with it, and the save too."""
+
+    def __iter__(self):  # (the workers start here)
+        if not self.num_workers:
+            return super().__iter__()
+        start_resource_tracker()
+        with stop_signals_blocked():
+            return super().__iter__()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Blocks the stop signals in this thread: a process started meanwhile, by fork or by spawn,
+    inherits them blocked (the mask survives exec). One that comes meanwhile is not lost: another
+    thread takes it, or this one when unblocked."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def start_resource_tracker():
+    """Starts multiprocessing's resource tracker (if not running) deaf to the stop signals. This
+    process's children share it, to unlink their semaphores if they cannot; killed by a job's stop
+    signal, it would be started again, with a traceback for each semaphore it knew. A call of its
+    own: Python 3.11 and older 3.12s unblock SIGINT and SIGTERM in the thread that starts it
+    (python/cpython#127586)."""
+    if hasattr(signal, "pthread_sigmask"):  # (Windows: no tracker)
+        from multiprocessing import resource_tracker
+        with stop_signals_blocked():
+            resource_tracker.ensure_running()
+
+
+def deaf(_):
+    """Makes a DataLoader worker ignore stop signals: its trainer saves, then ends it
+    (Lightning-AI/pytorch-lightning#17899)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def end_workers():
+    """Kills the DataLoader workers, which ignore SIGTERM (first SIGCHLD's handler: no reports)."""
+    if hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+# ---- the entry point: main, then its ending's line and status, then the exit
 def run_and_exit(main, parse_args):
-    """Calls main(parse_args()) and exits: an ending is one line, printed once, and its status."""
-    ranks = [n[0] for n in LAUNCHERS.values()] + ["SLURM_PROCID"]  # the launcher's rank 0 prints
-    rank = next((int(os.environ[r]) for r in ranks if os.environ.get(r, "").isdigit()), 0)
-    code, inherited = None, mp_temp_dir()
+    """Calls main(parse_args()), then leaves: an ending prints its one line (say), and its status
+    is the process's."""
+    code, ended, inherited = 0, False, mp_temp_dir()
     try:
         main(parse_args())
-    except Ending as e:  # UsageError 2, NanLoss 1, Hang 3, Stopped 0 or 128 + N
-        code = say(e, rank)
-    except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save yet
-        code = say(Stopped(signal.SIGINT), rank)
-    except Exception as e:  # every rank ends
-        why = str(e).strip().split("\n")[0]
-        if received not in (0, getattr(signal, "SIGUSR1", None)):  # told to stop; a peer left
-            code = 128 + received
-        elif "timed out" in why.lower():  # a collective, a worker
-            hang = Hang(f"{why} (--step-timeout): a rank or a worker stopped answering",
-                        printer=None)
-            code = say(hang, rank)
-        else:
-            traceback.print_exc()
-            code = 1
+    except (Exception, KeyboardInterrupt) as e:  # (SystemExit passes: --help's)
+        code, ended = say(ending(e), launcher_rank()), True
     finally:
         end_workers()
         if dist.is_initialized():
             dist.destroy_process_group()
-    # no interpreter teardown, where gloo's threads now and then hang or abort the process
-    # (pytorch/pytorch#190489). Every file is closed by now
-    if code is not None:  # a DataLoader left mid-epoch, freed
-        gc.collect()
-    for thread in threading.enumerate():  # a Queue's holds 2 semaphores till it ends: else the
-        if thread.name == "QueueFeederThread":  # resource tracker warns "leaked"
-            thread.join(timeout=1)
-    if mp_temp_dir() not in (None, inherited):  # its own, made for the fork server's socket:
-        shutil.rmtree(mp_temp_dir(), ignore_errors=True)  # multiprocessing's exit would remove it
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code or 0)
+    leave(code, ended, inherited)
 
 
-def mp_temp_dir():
-    # multiprocessing's pymp-* folder, inherited from a parent process or made here (private name)
-    return multiprocessing.current_process()._config.get("tempdir")
+def ending(e):
+    """Returns the Ending that exception `e` means: an Ending is its own; Ctrl-C before the first
+    step, a stop with nothing saved; any error after a stop signal (a peer that stopped first) the
+    signal's status, silently; a timeout (a collective, a worker) a Hang; any other error its
+    traceback, printed here, and exit 1."""
+    why = str(e).strip().split("\n")[0]
+    if isinstance(e, Ending):
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        return Stopped(signal.SIGINT)
+    if STOP.received not in (0, getattr(signal, "SIGUSR1", None)):
+        return Stopped(STOP.received, printer=-1)
+    if "timed out" in why.lower():
+        return Hang(f"{why} (--step-timeout): a rank or a worker stopped answering", printer=None)
+    traceback.print_exception(e)
+    return Failed(why, printer=-1)
+
+
+def launcher_rank():
+    """This process's rank as its launcher names it (0 where none does): its rank 0 prints."""
+    for name in [n[0] for n in LAUNCHERS.values()] + ["SLURM_PROCID"]:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
 
 
 def say(e, rank):
     """Prints `e` on its printer's rank; returns its exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving anyway: neither a launcher's SIGTERM
     end_workers()  # nor the DataLoader's check of its workers cuts it short
+    if e.printer == -1:  # said already (a traceback), or by a peer
+        return e.code
     printer = e.printer in (None, rank)
     if printer:
         print(e if isinstance(e, Stopped) else f"error: {e}", file=sys.stderr, flush=True)
@@ -880,3 +964,26 @@ def say(e, rank):
     elif not printer:
         time.sleep(0.5)
     return e.code
+
+
+def leave(code, ended, inherited):
+    """Leaves the process by os._exit, not by the interpreter's teardown, where gloo's threads now
+    and then hang or abort it (pytorch/pytorch#190489). Every file is closed by now. First: frees
+    a DataLoader left mid-epoch (where an ending came); waits, up to 1 s, for each thread of a
+    DataLoader's queues, which holds the queue's 2 named semaphores until it ends (else the
+    resource tracker warns of them as leaked); removes multiprocessing's own temporary folder
+    (pymp-*, the fork server's socket), made here, which only its exit handler would."""
+    if ended:
+        gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":
+            thread.join(timeout=1)
+    if mp_temp_dir() not in (None, inherited):
+        shutil.rmtree(mp_temp_dir(), ignore_errors=True)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
+
+
+def mp_temp_dir():
+    # multiprocessing's pymp-* folder, inherited from a parent process or made here (private name)
+    return multiprocessing.current_process()._config.get("tempdir")

@@ -117,7 +117,7 @@ def build_model(run):  # [dp]
 
 
 def resume(run):  # [dp]
-    """Loads a last.pt of any script, written by any number of processes; returns the progress it
+    """Loads a last.pt of any script, written by any number of processes; returns the position it
     saved, or None (a fresh start)."""
     ckpt = common.checkpoint_to_resume(run)
     if ckpt:
@@ -152,8 +152,8 @@ def train_step(run, x, y):
 
 def train_one_epoch(run, epoch):
     """Trains one pass over this rank's part of the data (what is left of it, when resumed
-    mid-epoch); returns the mean loss over its steps and the ranks."""
-    args, progress = run.args, run.progress
+    mid-epoch); returns the mean loss and gradient norm over its steps and the ranks."""
+    args, position = run.args, run.position
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
     run.sampler.set_epoch(epoch)
@@ -162,23 +162,23 @@ def train_one_epoch(run, epoch):
     batches = list(BatchSampler(run.sampler, run.global_batch,  # [dp] split over the GPUs later
                                 drop_last=True))
     # resumed mid-epoch: skip the batches already done
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
+    loader = common.make_loader(run.train_set, batches[position.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
-        if progress.step == progress.first_step + 1:  # as in the DDP scripts; here a no-op:
+        if position.step == position.first_step + 1:  # as in the DDP scripts; here a no-op:
             common.set_step_timeout(args.step_timeout)  # one process, no collective to wait on
         x, y = common.to_device(run, run.train_set, x, y)
+        loss, norm = train_step(run, x, y)
+        position.step_done(loss, norm)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
-        # (common.Progress.check)
-        stopping = progress.step_done(*train_step(run, x, y))
-        if progress.last:  # the epoch's end, or --max-steps: the caller saves
+        run.agreement.step_done(loss)
+        run.output.step_done(loss)  # rank 0's bar, and its line every --log-every steps
+        if position.last:  # the epoch's end, or --max-steps: the caller saves
             break
-        if progress.save_due or stopping:
-            save(run)
-        if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
-            raise common.Stopped(stopping, progress.step)
-    progress.end_epoch()
-    return mean_over_ranks(progress.sums) / progress.step_in_epoch
+        if position.save_due or common.STOP.agreed:  # a stop the ranks agreed on: saved at this
+            save(run)  # step, the run ends here (common.finish_save); --resume auto goes on from it
+    run.output.end_epoch()
+    return mean_over_ranks(position.sums) / position.step_in_epoch
 
 
 def mean_over_ranks(t):  # [dp] one process: nothing to average (named as DDP's, to compare)
@@ -190,7 +190,7 @@ def evaluate(run):  # [dp]
     """Returns loss and accuracy over the validation set, every batch split over the GPUs."""
     run.raw_model.eval()
     # loss sum, correct, count (MPS: float32)
-    totals = torch.zeros(3, dtype=run.progress.exact, device=run.device)
+    totals = torch.zeros(3, dtype=run.position.exact, device=run.device)
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
         loss_sums, correct = run.model(x, y)  # one of each per GPU
@@ -206,35 +206,28 @@ def save(run):  # [dp]
     names, whole tensors, the random generators. It loads in any script, at any number of processes,
     with or without a GPU."""
     # the state dicts, on the CPU
-    progress, options = run.progress, StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state, optim_state = get_state_dict(run.raw_model, run.optimizer, options=options)
-    common.save_atomic({
-        "model": model_state, "optimizer": optim_state, "scheduler": run.scheduler.state_dict(),
-        **progress.state(progress.sums.tolist()), "args": vars(run.args),
-        "rng": [common.rng_state(run.device)], "world_size": 1},
-        os.path.join(run.out_dir, "last.pt"))
+    state = {"model": model_state, "optimizer": optim_state,
+             "scheduler": run.scheduler.state_dict(),
+             **run.position.state(run.position.sums.tolist()), "args": vars(run.args),
+             "rng": [common.rng_state(run.device)], "world_size": 1}
+    common.finish_save(run, state)  # a stop ends the run there, saved
 
 
 def evaluate_and_log(run):
-    """Evaluates, then logs rank 0's metrics row. A stop that the ranks agreed on at the epoch's
-    last step ends the run before it, one during it after it: its checkpoint is saved."""
-    stopping = run.progress.stopping
-    if stopping:
-        raise common.Stopped(stopping, run.progress.step)
+    """Evaluates, then logs rank 0's metrics row (a failed write stops every rank). A stop that
+    came during the evaluation ends the run after it (common.finish_epoch): saved before it."""
     t1 = time.time()
-    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
-    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
-    stopping = run.progress.stop_agreed()
-    if stopping:
-        raise common.Stopped(stopping, run.progress.step)
+    row = {**run.position.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    common.finish_epoch(run, row)
 
 
 def announce(run):
     """Prints rank 0's first line: how the run is set up, and the step a resume starts at."""
-    common.start_output(run)
     print(f"dp: {f'GPUs {run.gpus}' if run.gpus else 'no GPU, training on the CPU'}, "  # [dp]
           f"global batch {run.global_batch}"
-          + (f", resuming at step {run.progress.step}" if run.progress.step else ""))
+          + (f", resuming at step {run.position.step}" if run.position.step else ""))
 
 
 def main(args):
@@ -249,27 +242,33 @@ def main(args):
     build_data(run)
     build_model(run)
     saved = resume(run)
-    run.progress = progress = common.Progress(run, saved)
+    run.position = position = common.Position(run, saved)  # where training stands
+    run.agreement, run.output = common.Agreement(run), common.Output(run)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if progress.step >= end and not progress.row:  # a resume may find the run done
+    if position.step >= end and not position.row:  # a resume may find the run done
         if master:
-            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
+            print(f"already at step {position.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
         return
+    # this run's folder now: made; --overwrite deletes the earlier run in it; a resume keeps the
+    # metrics rows its checkpoint covers
+    common.on_rank0(lambda: common.take_over_out_dir(run, saved), run.rank)
     if master:
         announce(run)
     with common.extra("hangs").named(run):  # a rank that stops answering: named
-        if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+        if position.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
-        common.catch_stop_signals()  # from here on, a stop signal saves and stops
-        for epoch in range(progress.epoch, args.epochs):
-            if progress.step >= end:  # --max-steps
+        common.STOP.catch()  # from here on, a stop signal saves and stops every rank at one step
+        for epoch in range(position.epoch, args.epochs):
+            if position.step >= end:  # --max-steps
                 break
-            progress.start_epoch(epoch)
+            position.start_epoch(epoch)
+            run.output.start_epoch()
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # [dp] one process holds the model's only copy: no BatchNorm statistics to broadcast
-            progress.epoch_row(train_loss=train_loss, world_size=run.world_size, gpus=run.gpus,
-                               grad_norm=grad_norm if args.clip_grad else None)  # [dp]
+            position.row = run.output.epoch_row(  # [dp]
+                train_loss=train_loss, world_size=run.world_size, gpus=run.gpus,
+                grad_norm=grad_norm if args.clip_grad else None)
             save(run)  # before the evaluation: a stop during it loses no training
             evaluate_and_log(run)
 

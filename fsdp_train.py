@@ -161,7 +161,7 @@ def checkpoint_to_resume(run):
 
 def resume(run):
     """Loads the checkpoint that rank 0 reads and checks, sent to the others (no shared filesystem
-    needed); returns the progress it saved, or None for a fresh start."""
+    needed); returns the position it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: checkpoint_to_resume(run),
                            run.rank)  # [fsdp] last.pt, or a ckpt-<step> folder's meta
     # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
@@ -226,8 +226,8 @@ def clip_grad_norm(params, max_norm):
 
 def train_one_epoch(run, epoch):
     """Trains one pass over this rank's part of the data (what is left of it, when resumed
-    mid-epoch); returns the mean loss over its steps and the ranks."""
-    args, progress = run.args, run.progress
+    mid-epoch); returns the mean loss and gradient norm over its steps and the ranks."""
+    args, position = run.args, run.position
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
     run.sampler.set_epoch(epoch)
@@ -235,23 +235,23 @@ def train_one_epoch(run, epoch):
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
     # resumed mid-epoch: skip the batches already done
-    loader = common.make_loader(run.train_set, batches[progress.step_in_epoch:], run)
+    loader = common.make_loader(run.train_set, batches[position.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
-        if progress.step == progress.first_step + 1:  # all ranks passed their start-up (step 1's
+        if position.step == position.first_step + 1:  # all ranks passed their start-up (step 1's
             common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
+        loss, norm = train_step(run, x, y)
+        position.step_done(loss, norm)
         # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
-        # (common.Progress.check)
-        stopping = progress.step_done(*train_step(run, x, y))
-        if progress.last:  # the epoch's end, or --max-steps: the caller saves
+        run.agreement.step_done(loss)
+        run.output.step_done(loss)  # rank 0's bar, and its line every --log-every steps
+        if position.last:  # the epoch's end, or --max-steps: the caller saves
             break
-        if progress.save_due or stopping:
-            save(run, blocking=bool(stopping))  # [fsdp] a stop's save is whole before the run ends
-        if stopping:  # every rank saved: the run ends here; --resume auto continues from this step
-            raise common.Stopped(stopping, progress.step)
-    progress.end_epoch()
-    return mean_over_ranks(progress.sums) / progress.step_in_epoch
+        if position.save_due or common.STOP.agreed:  # a stop the ranks agreed on: saved at this
+            save(run)  # step, the run ends here (common.finish_save); --resume auto goes on from it
+    run.output.end_epoch()
+    return mean_over_ranks(position.sums) / position.step_in_epoch
 
 
 def mean_over_ranks(t):
@@ -295,8 +295,7 @@ def save(run, blocking=False):
     loads in any script, at any number of processes, on any device, with weights_only=True.
     --ckpt-format dcp: a ckpt-<step> folder of each rank's shards instead (train_extras/sharded.py;
     --async-save in the background)."""
-    progress = run.progress
-    sums = mean_over_ranks(progress.sums).tolist()
+    sums = mean_over_ranks(run.position.sums).tolist()
     rngs = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(common.rng_state(run.device), rngs)
     if run.sharded:  # [fsdp] --ckpt-format dcp: each rank writes the tensors it holds; no gather
@@ -304,11 +303,11 @@ def save(run, blocking=False):
     sharded = get_state_dict(run.raw_model, run.optimizer)  # [fsdp] no gather yet
     model_state, optim_state = common.nested(lambda t: gathered(t, run.rank), sharded)  # [fsdp]
     state = {"model": model_state, "optimizer": optim_state,
-             "scheduler": run.scheduler.state_dict(), **progress.state(sums), "rng": rngs,
+             "scheduler": run.scheduler.state_dict(), **run.position.state(sums), "rng": rngs,
              "args": vars(run.args), "world_size": run.world_size}
-    # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it
-    common.on_rank0(lambda: common.save_atomic(state, os.path.join(run.out_dir, "last.pt")),
-                    run.rank)
+    # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it.
+    # A stop the ranks agreed on ends the run there, saved
+    common.finish_save(run, state)
 
 
 def gathered(t, rank):
@@ -329,19 +328,11 @@ def gathered(t, rank):
 
 
 def evaluate_and_log(run):
-    """Evaluates, then logs rank 0's metrics row. A stop that the ranks agreed on at the epoch's
-    last step ends the run before it, one during it after it: its checkpoint is saved."""
-    stopping = run.progress.stopping
-    if stopping:
-        raise common.Stopped(stopping, run.progress.step)
+    """Evaluates, then logs rank 0's metrics row (a failed write stops every rank). A stop that
+    came during the evaluation ends the run after it (common.finish_epoch): saved before it."""
     t1 = time.time()
-    row = {**run.progress.row, **evaluate(run), "eval_time_s": time.time() - t1}
-    common.on_rank0(lambda: common.log_epoch(run, row), run.rank)  # a failed write: all stop
-    stopping = run.progress.stop_agreed()
-    if stopping:
-        if run.sharded:  # [fsdp] the save in the background, whole first
-            run.sharded.wait()
-        raise common.Stopped(stopping, run.progress.step)
+    row = {**run.position.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    common.finish_epoch(run, row)
 
 
 def local_bytes(tensors):
@@ -362,7 +353,6 @@ def held_bytes(run):
 
 def announce(run):
     """Prints rank 0's first line: how the run is set up, and the step a resume starts at."""
-    common.start_output(run)
     args, hsdp = run.args, ""  # [fsdp]
     if args.replicate > 1:  # [fsdp]
         hsdp = f"HSDP: {args.replicate} copies of {run.world_size // args.replicate} shards, "
@@ -372,7 +362,7 @@ def announce(run):
           f"{args.precision}, {'' if args.reshard_after_forward else 'no '}"
           f"reshard after forward, {hsdp}"
           f"{local_bytes(run.raw_model.parameters()) / 2**20:.1f} MiB of parameters per rank"
-          + (f", resuming at step {run.progress.step}" if run.progress.step else ""))
+          + (f", resuming at step {run.position.step}" if run.position.step else ""))
 
 
 def main(args):
@@ -388,34 +378,39 @@ def main(args):
     build_data(run)
     build_model(run)
     saved = resume(run)
-    run.progress = progress = common.Progress(run, saved)
+    run.position = position = common.Position(run, saved)  # where training stands
+    run.agreement, run.output = common.Agreement(run), common.Output(run)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if progress.step >= end and not progress.row:  # a resume may find the run done
+    if position.step >= end and not position.row:  # a resume may find the run done
         if master:
-            print(f"already at step {progress.step} of {end} (--epochs {args.epochs}, "
+            print(f"already at step {position.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
         return
+    # this run's folder now: made; --overwrite deletes the earlier run in it; a resume keeps the
+    # metrics rows its checkpoint covers
+    common.on_rank0(lambda: common.take_over_out_dir(run, saved), run.rank)
     if master:
         announce(run)
     with common.extra("hangs").named(run):  # a rank that stops answering: named
-        if progress.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+        if position.row:  # saved at its epoch's end, then stopped before the evaluation: that first
             evaluate_and_log(run)
-        common.catch_stop_signals()  # from here on, a stop signal saves and stops
-        for epoch in range(progress.epoch, args.epochs):
-            if progress.step >= end:  # --max-steps
+        common.STOP.catch()  # from here on, a stop signal saves and stops every rank at one step
+        for epoch in range(position.epoch, args.epochs):
+            if position.step >= end:  # --max-steps
                 break
-            progress.start_epoch(epoch)
+            position.start_epoch(epoch)
+            run.output.start_epoch()
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # after training, ranks hold different BatchNorm running statistics: give everyone
             # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
-            progress.epoch_row(train_loss=train_loss, world_size=run.world_size,
-                               grad_norm=args.clip_grad and grad_norm)
-            progress.row.update(held_bytes(run))  # [fsdp] its shards' bytes, FSDP's flags
+            position.row = run.output.epoch_row(train_loss=train_loss, world_size=run.world_size,
+                                                grad_norm=args.clip_grad and grad_norm)
+            position.row.update(held_bytes(run))  # [fsdp] its shards' bytes, FSDP's flags
             # before the evaluation: a stop during it loses no training. With --async-save, the
             # last save (or a stop's) is whole before its row; an earlier one may fail after it
-            save(run, blocking=progress.step == end or bool(progress.stopping))  # [fsdp]
+            save(run, blocking=position.step == end)  # [fsdp]
             evaluate_and_log(run)
         if run.sharded:  # [fsdp] the last save, if written in the background, complete
             run.sharded.wait()

@@ -96,9 +96,9 @@ def main():
     x, y = (t[:args.batch_size].to(run.device) for t in run.train_set.tensors)
     script.train_step(run, x, y)  # the optimizer state now exists
     run.steps_per_epoch = 10
-    run.progress = progress = common.Progress(run)
-    progress.start_epoch(0)
-    progress.step_done(torch.tensor(1.0, device=run.device))
+    run.position = position = common.Position(run)
+    position.start_epoch(0)
+    position.step_done(torch.tensor(1.0, device=run.device))
     held = sum(t.numel() * t.element_size() for t in [*run.raw_model.state_dict().values(), *[
         v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]])  # whole model + AdamW
     scratch = tempfile.TemporaryDirectory() if bench.out_dir is None else None
@@ -126,7 +126,7 @@ def main():
             run.out_dir = out_dir
             if fsdp:  # (the DDP scripts' runs have no such field)
                 run.sharded = saver
-            progress.step += 1  # a new ckpt-<step> folder each time
+            position.step += 1  # a new ckpt-<step> folder each time
             memory = Resident()
             dist.barrier()
             memory.start()

@@ -162,7 +162,7 @@ def test_the_epoch_time_holds_the_waits_for_data_and_the_steps(tmp_path):
         "--out-dir", out, env={"SPENT_FILE": str(spent)})
     row, dataset_s = metrics(str(out))[0], float(spent.read_text())
     assert row["step"] == 30 and dataset_s >= 30 * 0.05, (row, dataset_s)
-    # from the end of step 1 (common.Progress): 29 batches and 29 steps of at least 0.05 s each
+    # from the end of step 1 (common.Output): 29 batches and 29 steps of at least 0.05 s each
     assert row["epoch_time_s"] >= 29 * (0.05 + 0.05), row
     assert row["samples_per_s"] == pytest.approx(29 * 8 / row["epoch_time_s"], rel=1e-6), row
 

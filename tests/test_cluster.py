@@ -338,7 +338,7 @@ def test_srun_trains_like_torchrun(slurm, reference, tmp_path):
 
 
 PAUSE = 6  # the ranks wait after this optimizer step (tests/hooks.py): the last checkpoint before it is step 4's
-# a signal that came during the pause is acted on at the ranks' next check (common.Progress.check: about every 2 s,
+# a signal that came during the pause is acted on at the ranks' next check (common.Agreement.check: about every 2 s,
 # every --log-every steps if sooner, and at every save step), at the latest at the next --save-every step
 NEXT_SAVE = 8
 

@@ -9,7 +9,7 @@ own marker, a comment holding `[amp]`, `[spawn]`, `[fsdp]` or `[dp]`:
 - a tagged `def` (or `if __name__` line) makes the whole function the script's own;
 - a tagged `with` makes only the wrapper the script's own: the statements inside it are still compared;
 - a tagged `if`/`for`/`while`/`try` makes the whole block the script's own.
-So a statement dropped from one script (say its `progress.check(...)`) or changed without a tag fails here."""
+So a statement dropped from one script (say its `run.agreement.step_done(loss)`) or changed without a tag fails here."""
 import ast
 import copy
 import difflib
@@ -158,8 +158,8 @@ def test_the_readme_names_exactly_the_steps_left_uncompared():
 
 
 BREAKAGES = {  # what a script must not lose: the start of the lines that go
-    # the agreement of all ranks on a NaN/inf loss and on a stop signal (common.Progress.check)
-    "progress.check": ["        stopping = progress.step_done(*train_step(run, x, y))"],
+    # the agreement of all ranks on a NaN/inf loss and on a stop signal (common.Agreement.check)
+    "agreement.check": ["        run.agreement.step_done(loss)"],
     "set_epoch": ["    run.sampler.set_epoch(epoch)"],
     "buffer broadcast": ["            for buffer in run.raw_model.buffers():",
                          "                dist.broadcast(buffer, src=0)"],

@@ -357,7 +357,7 @@ def test_compile_equals_eager(runs, script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_no_host_sync_in_the_training_loop_but_at_its_checks(script, tmp_path):
     """torch.cuda.set_sync_debug_mode("warn") from the end of the second step: every host sync comes from a check
-    (common.Progress.check, its log line), an epoch's end, the evaluation or a save, none from a training step, the
+    (common.Agreement.check, and the log line), an epoch's end, the evaluation or a save, none from a training step, the
     loader or the bookkeeping of a step. ddp_amp_train.py in bf16: fp16's GradScaler reads its inf flag every step
     (docs/performance.md)."""
     if not CUDA:

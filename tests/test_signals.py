@@ -2,7 +2,7 @@
 torchrun's workers, torchrun itself, mp.spawn's parent, ranks started by hand with env://; srun and sbatch in
 test_cluster.py) stop the run with a checkpoint written *after* the signal, at one step every rank agreed on, and the
 documented status (docs/failures.md: 0 after SIGUSR1, 143 after SIGTERM, 129 after SIGHUP; torchrun itself exits 1 and
-names each worker's 143). The ranks learn of a signal at their next check (common.Progress.check: one all-reduce about
+names each worker's 143). The ranks learn of a signal at their next check (common.Agreement.check: one all-reduce about
 every 2 s, every --log-every steps if sooner, and at every save step), so that the stop comes a few steps after the
 signal, at the latest at the next --save-every step, and for steps of seconds well inside a launcher's grace period. A
 save that a signal or a kill interrupts, in the one-file format and in the sharded one written in the background

@@ -173,11 +173,12 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
 def test_a_checkpoint_keeps_its_position_in_samples():
     run = ns(args=ns(seed=0), rank=0, scheduler=None, steps_per_epoch=10, global_batch=32, device=torch.device("cpu"),
              train_set=range(320))
-    progress = common.Progress(run, {"epoch": 1, "step_in_epoch": 3, "samples_in_epoch": 96, "loss_sum": 6.0})
-    assert (progress.step, progress.step_in_epoch) == (13, 3)
-    state = progress.state([6.0, 0.0])
+    position = common.Position(run, {"epoch": 1, "step_in_epoch": 3, "samples_in_epoch": 96, "loss_sum": 6.0})
+    assert (position.step, position.step_in_epoch) == (13, 3)
+    state = position.state([6.0, 0.0])
     assert state["samples_in_epoch"] == 96 and state["global_batch"] == 32
-    assert common.Progress(run, state).step == 13
+    assert position.state([6.0, 0.0]) == state  # pure: asking twice changes nothing
+    assert common.Position(run, state).step == 13
 
 
 def test_a_nan_stop_says_whether_an_older_checkpoint_is_there():
@@ -185,10 +186,11 @@ def test_a_nan_stop_says_whether_an_older_checkpoint_is_there():
              steps_per_epoch=10, global_batch=32, device=torch.device("cpu"), train_set=range(320))
     for saved, words in [(None, "stopped, nothing was saved$"),
                          ({"epoch": 1}, "stopped, the last checkpoint is older$")]:
-        progress = common.Progress(run, saved)
-        progress.first_bad.fill_(3)  # the first NaN/inf step, as step_done notes it
+        run.position = common.Position(run, saved)
+        agreement = common.Agreement(run)
+        agreement.first_bad.fill_(3)  # the first NaN/inf step, as step_done notes it
         with pytest.raises(common.NanLoss, match=words) as e:
-            progress.check(every_rank=True)
+            agreement.check()
         assert e.value.code == 1
 
 

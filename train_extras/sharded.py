@@ -69,10 +69,12 @@ class Saver:
     def __init__(self, run):
         self.out_dir, self.rank, self.pending = run.out_dir, run.rank, None
         self.group = dist.new_group(backend="gloo") if run.args.async_save else None
+        common.STOP.unfinished_saves.append(self.wait)  # a stop ends the run once this one is whole
 
     def save(self, run, sums, rngs, blocking=False):
-        """Every rank; rank 0's state dict also holds the rest of a last.pt. `blocking` (a run told
-        to stop, the same on every rank): complete when it returns, even with --async-save."""
+        """Every rank; rank 0's state dict also holds the rest of a last.pt. `blocking` (or a stop
+        the ranks agreed on, which then ends the run here): complete when it returns, even with
+        --async-save."""
         self.wait()
         # this rank's shards
         state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))
@@ -80,17 +82,18 @@ class Saver:
         # are rank 0's)
         state["buffers"] = {str(run.rank): dict(run.raw_model.named_buffers())}
         if run.rank == 0:
-            state.update(scheduler=run.scheduler.state_dict(), **run.progress.state(sums), rng=rngs,
+            state.update(scheduler=run.scheduler.state_dict(), **run.position.state(sums), rng=rngs,
                          args=vars(run.args), world_size=run.world_size)
-        tmp = os.path.join(self.out_dir, f"ckpt-{run.progress.step}.tmp")
+        tmp = os.path.join(self.out_dir, f"ckpt-{run.position.step}.tmp")
         # what every rank holds alike (BatchNorm's statistics, which may differ mid-epoch):
         # rank 0's, as in last.pt
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        if self.group is None or blocking:
+        if self.group is None or blocking or common.STOP.agreed:
             self.complete(lambda: dcp.save(state, checkpoint_id=tmp, planner=planner), tmp)
         else:
             self.pending = dcp.async_save(state, checkpoint_id=tmp, planner=planner,
                                           process_group=self.group), tmp
+        common.finish_save(run, None)
 
     def wait(self):  # the save in the background, if any, complete
         if self.pending:
@@ -138,7 +141,7 @@ def free_quietly(e):
 def find(run):
     """Rank 0: the checkpoint to resume, as common.checkpoint_to_resume finds it, sharded folders
     too: what --resume names, or with 'auto' the highest step of last.pt and complete folders.
-    Saves cut short go."""
+    Saves cut short go. (The script takes over --out-dir once it is accepted.)"""
     args, out_dir = run.args, run.out_dir
     found, last, path = [], os.path.join(out_dir, "last.pt"), args.resume
     if os.path.isdir(out_dir):
@@ -150,9 +153,7 @@ def find(run):
     if args.resume == "auto":
         path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
-        ckpt = read(path, run)
-        common.take_over_out_dir(run)  # now that it is accepted
-        return common.drop_logged_row(run, ckpt)
+        return common.drop_logged_row(run, read(path, run))
     resume_file = argparse.Namespace(**{**vars(args), "resume": path or args.resume})  # auto: none
     return common.checkpoint_to_resume(dataclasses.replace(run, args=resume_file))
 
