@@ -32,14 +32,6 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 # ---- the command line: the same flags in every script
-EXTRA_FLAGS = {  # the flags of the extras that have any
-    "datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
-                 "--synthetic-shape"),
-    "models": ("--model",),
-    "finetune": ("--pretrained", "--weights", "--freeze-backbone"),
-    "tensorboard": ("--tensorboard",)}
-
-
 def number(kind, low, above=False):
     """Returns an argparse type: a number at least `low` (above, if `above`), not NaN nor inf."""
     def parse(text):
@@ -81,7 +73,8 @@ class Parser(argparse.ArgumentParser):
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):  # with the flag's default
-        none = action.default in (None, False, argparse.SUPPRESS)
+        none = action.default is None or action.default is False or \
+            action.default is argparse.SUPPRESS  # (not ==: 0 is a default to show)
         return action.help + ("" if none else " (default: %(default)s)")
 
 
@@ -118,6 +111,14 @@ def get_parser(doc):
 
 # ---- the extras: train_extras/<name>.py, each used where its file is
 EXTRAS = ("datasets", "models", "finetune", "tensorboard", "workers", "hangs", "restart", "sharded")
+EXTRA_FLAGS = {  # the flags of those that have any: a flag not copied is named with its file
+    "datasets": ("--dataset", "--data-dir", "--train-size", "--val-size", "--image-size",
+                 "--synthetic-shape"),
+    "models": ("--model",),
+    "finetune": ("--pretrained", "--weights", "--freeze-backbone"),
+    "tensorboard": ("--tensorboard",)}
+
+
 
 
 def extra(name):
@@ -142,7 +143,7 @@ class NotCopied:
     def fork_server(self, args):  # workers.py's
         pass
 
-    def start(self, dataset):
+    def start(self, dataset):  # workers.py's
         return {}
 
     def prepare(self, model, run):  # finetune.py's
@@ -163,7 +164,7 @@ def optional(name, what):
     return module
 
 
-# ---- the run, declared once: setup_distributed fills the first fields, main the rest
+# ---- the run, declared once: setup_distributed fills the first fields, main and its steps the rest
 @dataclasses.dataclass(slots=True)  # slots: no field but these (a script's own: a subclass)
 class Run:
     args: argparse.Namespace  # rank 0's flags, on every rank (same_flags)
@@ -232,6 +233,8 @@ def srun_env(env):
 
 
 def one_of_several():
+    """Returns the launcher that started this process as one of several (its name; "a launcher"
+    where its variables do not add up), or None for a lone process."""
     try:
         _, world, _, _, launcher = launcher_env()
     except UsageError:
@@ -287,7 +290,9 @@ def set_threads_and_math(local_world_size, deterministic):
 
 
 def on_rank0(fn, rank):
-    """Runs fn() on rank 0 while the others wait; its UsageError is raised on every rank."""
+    """Runs fn() on rank 0 while the others wait for it (a barrier); returns its result there, None
+    on the others. Its UsageError is raised on every rank; any other error ends rank 0, and the
+    others when their wait times out."""
     result, error = None, [None]
     if rank == 0:
         try:
@@ -409,13 +414,13 @@ def save_failed(path, e):
     return UsageError(f"could not save {path}: {why[:120]}. The previous checkpoint is whole")
 
 
-def finish_save(run, state):
-    """Every rank, to finish a save: rank 0 writes `state` to last.pt (None: every rank has
+def write_and_end_if_stopped(run, state):
+    """Every rank, a save's last step: rank 0 writes `state` to last.pt (None: every rank has
     written its part already) while the others wait; a failed write stops every rank. Then, where
-    the ranks agreed on a stop, the run ends here, saved (Stop.end)."""
+    the ranks agreed on a stop, ends the run here, saved (Stop.end raises Stopped)."""
     if state is not None:
         on_rank0(lambda: save_atomic(state, os.path.join(run.out_dir, "last.pt")), run.rank)
-    run.position.saved = True
+    run.position.has_checkpoint = True
     STOP.end(run.position.step)
 
 
@@ -429,6 +434,19 @@ def read_checkpoint(path):
     except Exception as e:  # whatever torch.load raises
         raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): missing, "
                          "truncated, or a pickled model (save its state_dict)?") from None
+
+
+def rows(run):
+    """Rank 0: reads metrics.jsonl's rows (not a half-written one)."""
+    path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
+    if not os.path.exists(path):
+        return found
+    for line in open(path).read().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            row = json.loads(line)
+            if isinstance(row["step"], int):
+                found.append(row)
+    return found
 
 
 def check_out_dir(run):
@@ -485,10 +503,11 @@ def checkpoint_to_resume(run):
     return drop_logged_row(run, ckpt)
 
 
-def take_over_out_dir(run, ckpt):
+def take_over_out_dir(run):
     """Rank 0, once the checkpoint to resume (if any) is accepted: makes --out-dir; --overwrite
     deletes the earlier run there, all of it (--resume auto would take the rest); and a resume
-    keeps in metrics.jsonl only the rows of the epochs its checkpoint covers."""
+    keeps in metrics.jsonl only the rows of the epochs its checkpoint covers (a row at --max-steps
+    mid-epoch goes: an unbroken run has none there)."""
     try:
         os.makedirs(run.out_dir, exist_ok=True)
     except OSError as e:
@@ -502,7 +521,7 @@ def take_over_out_dir(run, ckpt):
                 os.remove(path)
     path = os.path.join(run.out_dir, "metrics.jsonl")
     if os.path.exists(path):
-        kept = [r for r in rows(run) if r["epoch"] <= (ckpt["epoch"] if ckpt else 0)]
+        kept = [r for r in rows(run) if r["epoch"] <= run.position.epoch]
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
@@ -577,14 +596,14 @@ class Position:
     the device: no host sync), and what a checkpoint saves of it (state)."""
 
     def __init__(self, run, saved=None):
-        self.run, self.saved = run, saved is not None  # saved: a checkpoint is there
+        self.run, self.has_checkpoint = run, saved is not None
         saved = saved or {"epoch": 0}
         self.epoch, self.row = saved["epoch"], saved.get("row")  # a row: evaluated first
         self.saved_sums = [saved.get("loss_sum", 0.0), saved.get("grad_norm_sum", 0.0)]
         self.step_in_epoch = saved.get("samples_in_epoch", 0) // run.global_batch
         self.step = self.epoch * run.steps_per_epoch + self.step_in_epoch
-        self.first_step = self.step  # this process's first
-        self.exact = torch.float32 if run.device.type == "mps" else torch.float64  # the sums'
+        self.start_step = self.step  # where this process started
+        self.exact = torch.float32 if run.device.type == "mps" else torch.float64  # sums' dtype
         self.epoch_done = self.last = self.save_due = False
 
     def start_epoch(self, epoch):
@@ -593,7 +612,7 @@ class Position:
         self.epoch, self.step_in_epoch = epoch, self.step_in_epoch if epoch == self.epoch else 0
         sums = self.saved_sums if self.step_in_epoch else [0.0, 0.0]
         self.sums = torch.tensor(sums, dtype=self.exact, device=self.run.device)
-        self.loss_sum, self.norm_sum = self.sums.unbind()  # views
+        self.loss_sum, self.norm_sum = self.sums.unbind()  # views: += adds into self.sums
 
     def step_done(self, loss, norm=None):
         """Counts a step (fp16's skipped ones: norm inf, counted 0); says whether it ends the epoch
@@ -646,13 +665,17 @@ class Agreement:
         then sets the next check (about CHECK_S s on, and at the next --log-every step)."""
         args, position, step = self.run.args, self.run.position, self.run.position.step
         since = time.monotonic() - self.checked[1] if self.checked else 0.0
+        # the first bad step negated (the MAX of negatives is the earliest); the highest signal
+        # number (SIGTERM's 15 over SIGUSR1's 10: told to stop and to requeue, it stops)
         flags = torch.cat([-self.first_bad[None], torch.tensor([STOP.received, since]).to(
             self.run.device, position.exact)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         first_bad = -flags[0].item()
         if first_bad < self.NEVER:
-            older = "the last checkpoint is older" if position.saved else "nothing was saved"
+            older = "nothing was saved"
+            if position.has_checkpoint:
+                older = "the last checkpoint is older"
             raise NanLoss(f"loss is NaN/inf at step {first_bad:.0f}: stopped, {older}")
         STOP.agreed = int(flags[1].item())
         if self.checked and self.checked[0] == step:  # again at this step (an evaluation's end)
@@ -664,9 +687,14 @@ class Agreement:
 
 
 def set_step_timeout(seconds):
-    if dist.is_initialized():  # each collective may wait `seconds` (torch 2.11: private)
-        set_timeout = getattr(dist, "set_timeout", dist.distributed_c10d._set_pg_timeout)
-        set_timeout(datetime.timedelta(seconds=seconds))
+    """From the first step's check on, each collective waits at most `seconds`, not the start-up's
+    10 minutes: a rank that stops answering ends the run then (exit 3)."""
+    if not dist.is_initialized():
+        return
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(datetime.timedelta(seconds=seconds))
+    else:  # torch 2.11: private
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 # ---- rank 0's output: a progress bar (a log line where it is not a terminal), the metrics rows
@@ -676,10 +704,10 @@ class Output:
 
     def __init__(self, run):
         self.run = run
+        tqdm.set_lock(threading.RLock())  # not a semaphore, which os._exit would leak
 
     def start_epoch(self):
         self.t0 = self.t1 = None  # (time, step) at the end of the first step; the epoch's end
-        tqdm.set_lock(threading.RLock())  # not a semaphore, which os._exit would leak
         position = self.run.position
         self.bar = tqdm(total=self.run.steps_per_epoch, initial=position.step_in_epoch,
                         leave=False, desc=f"epoch {position.epoch + 1}",
@@ -710,7 +738,8 @@ class Output:
         self.t1 = self.clock()
 
     def epoch_row(self, **row):
-        """Returns the row's training half: saved, then evaluated (on resume: evaluated first)."""
+        """Returns the epoch's row of training metrics; the evaluation adds its own (a stop between
+        the two: the checkpoint holds this half, and the resume evaluates it first)."""
         position = self.run.position
         return {"epoch": position.epoch + position.step_in_epoch / self.run.steps_per_epoch,
                 "step": position.step, **row, "lr": self.run.scheduler.get_last_lr()[0],
@@ -723,24 +752,12 @@ class Output:
         return steps * self.run.global_batch / seconds if seconds > 0 else 0.0
 
 
-def rows(run):
-    """Rank 0: reads metrics.jsonl's rows (not a half-written one)."""
-    path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
-    if not os.path.exists(path):
-        return found
-    for line in open(path).read().splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            row = json.loads(line)
-            if isinstance(row["step"], int):
-                found.append(row)
-    return found
 
-
-
-def finish_epoch(run, row):
+def log_and_end_if_stopped(run, row):
     """Every rank, once the epoch is evaluated: rank 0 writes its row (metrics.jsonl, the
     screen, --tensorboard; a failed write stops every rank). Then the ranks agree on a stop that
-    came during the evaluation, which ends the run here: it was saved before it."""
+    came during the evaluation, which ends the run here (Stop.end raises Stopped): the epoch was
+    saved before it."""
     on_rank0(lambda: log_epoch(run, row), run.rank)
     run.agreement.check()
     STOP.end(run.position.step)
@@ -769,9 +786,10 @@ def log_epoch(run, row):
 
 
 # ==================================================================================================
-# Stopping and failing. All that follows is what a run does only when it stops or fails: how it
-# ends (each ending a line and a status), the stop signals, how DataLoader workers and their
-# helpers stay deaf to them, and the exit. A run that neither stops nor fails uses none of it.
+# Stopping and failing: all that is here because a run may stop or fail. How it ends (each ending
+# a line and a status), the stop signals, how DataLoader workers and their helpers stay deaf to
+# them, the entry point and the exit. A run where nothing goes wrong passes through it only to
+# catch the signals, to start its workers deaf, and to leave.
 # ==================================================================================================
 
 # ---- the endings: one line, printed once, and an exit status
@@ -898,7 +916,8 @@ def deaf(_):
 
 
 def end_workers():
-    """Kills the DataLoader workers, which ignore SIGTERM (first SIGCHLD's handler: no reports)."""
+    """Kills this process's daemon children, its DataLoader workers, which ignore SIGTERM. SIGCHLD's
+    handler is reset first: the DataLoader would report the kills as its workers failing."""
     if hasattr(signal, "SIGCHLD"):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
@@ -925,8 +944,8 @@ def run_and_exit(main, parse_args):
 def ending(e):
     """Returns the Ending that exception `e` means: an Ending is its own; Ctrl-C before the first
     step, a stop with nothing saved; any error after a stop signal (a peer that stopped first) the
-    signal's status, silently; a timeout (a collective, a worker) a Hang; any other error its
-    traceback, printed here, and exit 1."""
+    signal's status, silently, but after SIGUSR1, whose status 0 would hide a crash; a timeout (a
+    collective, a worker) a Hang; any other error its traceback, printed here, and exit 1."""
     why = str(e).strip().split("\n")[0]
     if isinstance(e, Ending):
         return e

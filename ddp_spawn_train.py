@@ -141,7 +141,7 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[position.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
-        if position.step == position.first_step + 1:  # all ranks passed their start-up (step 1's
+        if position.step == position.start_step + 1:  # all ranks passed their start-up (step 1's
             common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
@@ -151,8 +151,10 @@ def train_one_epoch(run, epoch):
         run.output.step_done(loss)  # rank 0's bar, and its line every --log-every steps
         if position.last:  # the epoch's end, or --max-steps: the caller saves
             break
-        if position.save_due or common.STOP.agreed:  # a stop the ranks agreed on: saved at this
-            save(run)  # step, the run ends here (common.finish_save); --resume auto goes on from it
+        # a stop the ranks agreed on: saved at this step, where the run ends (the save's last step,
+        # common.write_and_end_if_stopped); --resume auto goes on from it
+        if position.save_due or common.STOP.agreed:
+            save(run)
     run.output.end_epoch()
     return mean_over_ranks(position.sums) / position.step_in_epoch
 
@@ -195,15 +197,16 @@ def save(run):
              "args": vars(run.args), "world_size": run.world_size}
     # rank 0 writes; if it fails (a full disk), every rank stops with its line: none waits for it.
     # A stop the ranks agreed on ends the run there, saved
-    common.finish_save(run, state)
+    common.write_and_end_if_stopped(run, state)
 
 
 def evaluate_and_log(run):
     """Evaluates, then logs rank 0's metrics row (a failed write stops every rank). A stop that
-    came during the evaluation ends the run after it (common.finish_epoch): saved before it."""
+    came during the evaluation ends the run after it (common.log_and_end_if_stopped): the epoch was
+    saved before it."""
     t1 = time.time()
     row = {**run.position.row, **evaluate(run), "eval_time_s": time.time() - t1}
-    common.finish_epoch(run, row)
+    common.log_and_end_if_stopped(run, row)
 
 
 def announce(run):
@@ -235,7 +238,7 @@ def main(args):
         return
     # this run's folder now: made; --overwrite deletes the earlier run in it; a resume keeps the
     # metrics rows its checkpoint covers
-    common.on_rank0(lambda: common.take_over_out_dir(run, saved), run.rank)
+    common.on_rank0(lambda: common.take_over_out_dir(run), run.rank)
     if master:
         announce(run)
     with common.extra("hangs").named(run):  # a rank that stops answering: named
@@ -253,7 +256,7 @@ def main(args):
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
             position.row = run.output.epoch_row(train_loss=train_loss, world_size=run.world_size,
-                                                grad_norm=args.clip_grad and grad_norm)
+                                                grad_norm=grad_norm if args.clip_grad else None)
             save(run)  # before the evaluation: a stop during it loses no training
             evaluate_and_log(run)
 

@@ -165,7 +165,7 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[position.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
-        if position.step == position.first_step + 1:  # as in the DDP scripts; here a no-op:
+        if position.step == position.start_step + 1:  # as in the DDP scripts; here a no-op:
             common.set_step_timeout(args.step_timeout)  # one process, no collective to wait on
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
@@ -175,8 +175,10 @@ def train_one_epoch(run, epoch):
         run.output.step_done(loss)  # rank 0's bar, and its line every --log-every steps
         if position.last:  # the epoch's end, or --max-steps: the caller saves
             break
-        if position.save_due or common.STOP.agreed:  # a stop the ranks agreed on: saved at this
-            save(run)  # step, the run ends here (common.finish_save); --resume auto goes on from it
+        # a stop the ranks agreed on: saved at this step, where the run ends (the save's last step,
+        # common.write_and_end_if_stopped); --resume auto goes on from it
+        if position.save_due or common.STOP.agreed:
+            save(run)
     run.output.end_epoch()
     return mean_over_ranks(position.sums) / position.step_in_epoch
 
@@ -212,15 +214,16 @@ def save(run):  # [dp]
              "scheduler": run.scheduler.state_dict(),
              **run.position.state(run.position.sums.tolist()), "args": vars(run.args),
              "rng": [common.rng_state(run.device)], "world_size": 1}
-    common.finish_save(run, state)  # a stop ends the run there, saved
+    common.write_and_end_if_stopped(run, state)  # a stop ends the run there, saved
 
 
 def evaluate_and_log(run):
     """Evaluates, then logs rank 0's metrics row (a failed write stops every rank). A stop that
-    came during the evaluation ends the run after it (common.finish_epoch): saved before it."""
+    came during the evaluation ends the run after it (common.log_and_end_if_stopped): the epoch was
+    saved before it."""
     t1 = time.time()
     row = {**run.position.row, **evaluate(run), "eval_time_s": time.time() - t1}
-    common.finish_epoch(run, row)
+    common.log_and_end_if_stopped(run, row)
 
 
 def announce(run):
@@ -252,7 +255,7 @@ def main(args):
         return
     # this run's folder now: made; --overwrite deletes the earlier run in it; a resume keeps the
     # metrics rows its checkpoint covers
-    common.on_rank0(lambda: common.take_over_out_dir(run, saved), run.rank)
+    common.on_rank0(lambda: common.take_over_out_dir(run), run.rank)
     if master:
         announce(run)
     with common.extra("hangs").named(run):  # a rank that stops answering: named

@@ -25,12 +25,11 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
     "buffer_broadcast": ("ddp_launch_train.py", [("                dist.broadcast(buffer, src=0)\n",
                                                   "                pass\n")],
                          "the BatchNorm buffers not broadcast before the evaluation and the save"),
-    "step_check": ("common.py", [("        return self.check(every_rank=self.save_due or self.last)\n",
-                                  "        return None\n")],
+    "step_check": ("common.py", [("            self.check()\n", "            pass\n")],
                    "the step's check gone: no NaN/inf stop, no stop signal acted on"),
     "resume_one_step_late": ("common.py", [(
-        '        self.step_in_epoch = saved.get("samples_in_epoch", 0) // self.global_batch\n',
-        '        self.step_in_epoch = (saved.get("samples_in_epoch", 0) // self.global_batch\n'
+        '        self.step_in_epoch = saved.get("samples_in_epoch", 0) // run.global_batch\n',
+        '        self.step_in_epoch = (saved.get("samples_in_epoch", 0) // run.global_batch\n'
         '                              + bool(saved.get("samples_in_epoch")))\n')],
         "a mid-epoch resume one step late: a batch skipped"),
     "rng_restore": ("common.py", [("def restore_rng(saved, run):\n", "def restore_rng(saved, run):\n    return\n")],
@@ -52,6 +51,24 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
                         "SIGUSR1 (a time limit near) not acted on"),
     "queue_threads_not_awaited": ("common.py", [("            thread.join(timeout=1)\n", "            pass\n")],
                                   "the exit before the DataLoader queues' threads end: a leaked-semaphore warning"),
+    "workers_start_hearing": ("common.py", [(
+        "        with stop_signals_blocked():\n            return super().__iter__()\n",
+        "        return super().__iter__()\n")],
+                              "DataLoader workers and their fork server started with the stop signals unblocked"),
+    "spawn_tracker_hearing": ("ddp_spawn_train.py", [(
+        "    common.start_resource_tracker()  # the children's, deaf: a job's stop signal reaches it too\n", "")],
+        "mp.spawn's parent starts its children's resource tracker hearing the stop signals"),
+    "earlier_metrics_replaced": ("common.py", [("    if logged and not (found or args.overwrite):", "    if False:")],
+                                 "a fresh run rewrites an earlier run's metrics.jsonl whose checkpoint is gone"),
+    "frozen_store_waited_on": ("train_extras/hangs.py", [("        arrived = within(10, lambda: mark_and_read(run))\n",
+                                                          "        arrived = mark_and_read(run)\n")],
+                               "a rank waits on the store of a frozen rank 0 for the socket's 10 minutes"),
+    "tied_weights_in_two_groups": ("fsdp_train.py", [(
+        "        if params and all(owners[p] == 1 for p in params) and \\\n", "        if params and \\\n")],
+                                   "a tied parameter in two FSDP groups: fsdp_train.py refuses the model"),
+    "dataset_normalize_taken": ("common.py", [('hasattr(ds, "normalize_uint8")', 'hasattr(ds, "normalize")'),
+                                              ("ds.normalize_uint8(x)", "ds.normalize(x)")],
+                                "a Dataset's own `normalize` attribute called on uint8 batches"),
 }
 
 

@@ -93,7 +93,7 @@ class Saver:
         else:
             self.pending = dcp.async_save(state, checkpoint_id=tmp, planner=planner,
                                           process_group=self.group), tmp
-        common.finish_save(run, None)
+        common.write_and_end_if_stopped(run, None)
 
     def wait(self):  # the save in the background, if any, complete
         if self.pending:
