@@ -47,14 +47,24 @@ def copied_files(root):
     return ["common.py", *PAIR_TOKENS, *extras]
 
 
+# Python 3.12 and later split an f-string into its parts (3.14 a t-string too): counted as one token, as 3.11 gives it,
+# so that the count is the same on every Python
+STARTS = {getattr(tokenize, n) for n in ("FSTRING_START", "TSTRING_START") if hasattr(tokenize, n)}
+ENDS = {getattr(tokenize, n) for n in ("FSTRING_END", "TSTRING_END") if hasattr(tokenize, n)}
+
+
 def code_tokens(source):
     """The tokens of `source` that are code: not a comment, a line break, an indentation, the end, nor a string that
-    is a statement of its own (a docstring, or any such string)."""
+    is a statement of its own (a docstring, or any such string); an f-string is one."""
     docstrings = {(node.lineno, node.col_offset) for node in ast.walk(ast.parse(source))
                   if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
                   and isinstance(node.value.value, str)}
-    count, in_docstring = 0, False
+    count, in_docstring, depth = 0, False, 0
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in STARTS or token.type in ENDS or depth:  # inside an f-string: its start counts
+            count += token.type in STARTS and depth == 0
+            depth += (token.type in STARTS) - (token.type in ENDS)
+            continue
         if token.type in SKIPPED:
             in_docstring = False if token.type == tokenize.NEWLINE else in_docstring
             continue
@@ -143,6 +153,7 @@ def test_code_tokens_leave_out_comments_docstrings_and_line_breaks():
     assert code_tokens('"""A module."""\nx = 1  # why\n\n\ndef f(a):\n    """Its docstring."""\n    return a\n') == 11
     assert code_tokens('x = "not a docstring"\n') == 3
     assert code_tokens('def f():\n    "a" "b"\n    return 1\n') == 7  # an implicitly joined docstring: 0
+    assert code_tokens('x = f"a {b!r:>{w}} c {d}"\n') == 3  # an f-string is one token, on every Python
 
 
 def ruff(*args, cwd=ROOT):
