@@ -910,9 +910,16 @@ def start_resource_tracker():
 
 def deaf(_):
     """Makes a DataLoader worker ignore stop signals: its trainer saves, then ends it
-    (Lightning-AI/pytorch-lightning#17899)."""
+    (Lightning-AI/pytorch-lightning#17899). A worker started by a fork server also lets go of the
+    server's end of a pipe that every process holds while the server is to run (so that its own
+    children could start from it): held, it would keep the server, and so the worker, running
+    after a trainer killed outright. No public name for it: where it is missing, skipped."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def end_workers():
@@ -923,6 +930,24 @@ def end_workers():
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
+
+
+def end_fork_server():
+    """Ends the fork server that started this process's workers (Python 3.14's default, or
+    workers.py's), once they are gone: its pipe from this process closed, the server ends; waited
+    for up to 5 s, then killed (multiprocessing's own tears down what it preloaded, torch too,
+    and would outlive the run). No public name for it: where it is missing, skipped."""
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    os.close(server._forkserver_alive_fd)
+    with contextlib.suppress(ChildProcessError):
+        for _ in range(50):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
 
 
 # ---- the entry point: main, then its ending's line and status, then the exit
@@ -990,13 +1015,15 @@ def leave(code, ended, inherited):
     and then hang or abort it (pytorch/pytorch#190489). Every file is closed by now. First: frees
     a DataLoader left mid-epoch (where an ending came); waits, up to 1 s, for each thread of a
     DataLoader's queues, which holds the queue's 2 named semaphores until it ends (else the
-    resource tracker warns of them as leaked); removes multiprocessing's own temporary folder
-    (pymp-*, the fork server's socket), made here, which only its exit handler would."""
+    resource tracker warns of them as leaked); ends the fork server; removes multiprocessing's own
+    temporary folder (pymp-*, the fork server's socket), made here, which only its exit handler
+    would."""
     if ended:
         gc.collect()
     for thread in threading.enumerate():
         if thread.name == "QueueFeederThread":
             thread.join(timeout=1)
+    end_fork_server()
     if mp_temp_dir() not in (None, inherited):
         shutil.rmtree(mp_temp_dir(), ignore_errors=True)
     sys.stdout.flush(), sys.stderr.flush()

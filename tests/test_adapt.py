@@ -191,10 +191,11 @@ def test_dataloader_workers_start_from_a_fork_server_where_train_extras_workers_
 
 @pytest.mark.full
 def test_a_trainer_killed_outright_leaves_no_worker_behind(tmp_path):
-    """SIGKILL (the OOM killer's) to a process paused at step 3 with its 2 DataLoader workers alive, started from
-    train_extras/workers.py's fork server: the server ends with it, and the workers with the server, within seconds;
-    nothing of the run is left holding memory or its output. (Without leave_server they would all wait for each other
-    forever.) A real interpreter: its processes are found by the environment they were started with."""
+    """SIGKILL (the OOM killer's) to a process paused at step 3 with its 2 DataLoader workers alive, started from a
+    fork server (train_extras/workers.py's on Python 3.11.9 and older; multiprocessing's own, the default, on 3.14):
+    the server ends with it, and the workers with the server, within seconds; nothing of the run is left holding
+    memory or its output. (Without common.deaf letting go of the server's pipe in each worker, they would all wait for
+    each other forever.) A real interpreter: its processes are found by the environment they were started with."""
     hooks = Hooks(tmp_path, pause_at=3)
     cmd = [sys.executable, adapted_copy(tmp_path, MY_PROJECT, extras=["workers"]), "--epochs", 1, "--batch-size", 16,
            "--workers", 2, "--out-dir", tmp_path / "out"]

@@ -46,7 +46,7 @@ def start(ds):
     from multiprocessing import forkserver
     start_resource_tracker()  # forkserver's own start would start it, in this process group
     deaf_helpers(forkserver.ensure_running)  # where fork_server made none: a fresh interpreter
-    return dict(multiprocessing_context=context, worker_init_fn=leave_server)
+    return dict(multiprocessing_context=context)  # its workers: common.deaf, as every worker
 
 
 def deaf_helpers(start):
@@ -129,17 +129,3 @@ def fork_server(args):
     server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd = address, alive_w
     server._forkserver_pid = pid
-
-
-def leave_server(worker_id):
-    """In each worker: the server runs while any process holds its end of a pipe, the workers too,
-    and a worker runs while its parent, the server, does. Closed here, the server ends with the
-    training process even when that is killed outright, and each worker within 5 s of the server
-    (torch's check of its parent). There is no public way to do this: a private name, skipped
-    where it is missing. Then common.deaf's: the trainer alone acts on Ctrl-C and stop signals."""
-    from multiprocessing import forkserver
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-    common.deaf(worker_id)
