@@ -162,6 +162,10 @@ def main():
     dist.destroy_process_group()
     if scratch is not None and rank == 0:
         scratch.cleanup()
+    sys.stdout.flush()
+    # as the scripts: no interpreter teardown, where gloo's threads, kept alive by DTensor's caches and the savers,
+    # now and then abort the process ("terminate called without an active exception": pytorch/pytorch#190489)
+    os._exit(0)
 
 
 if __name__ == "__main__":
