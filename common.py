@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -897,15 +898,33 @@ def stop_signals_blocked():
 
 
 def start_resource_tracker():
-    """Starts multiprocessing's resource tracker (if not running) deaf to the stop signals. This
-    process's children share it, to unlink their semaphores if they cannot; killed by a job's stop
-    signal, it would be started again, with a traceback for each semaphore it knew. A call of its
-    own: Python 3.11 and older 3.12s unblock SIGINT and SIGTERM in the thread that starts it
-    (python/cpython#127586)."""
+    """Starts multiprocessing's resource tracker (if not running) deaf to the stop signals, in a
+    session of its own. This process's children share it, to unlink their semaphores if they
+    cannot (sem.mp-* in /dev/shm, where workers start by forkserver or spawn). Killed by a job's
+    stop signal, it would be started again, with a traceback for each semaphore it knew; by a
+    SIGKILL to the trainer's process group (torchrun's, at the end of its grace period), it would
+    leave them there until a reboot. A call of its own: Python 3.11 and older 3.12s unblock SIGINT
+    and SIGTERM in the thread that starts it (python/cpython#127586). It starts through
+    multiprocessing.util.spawnv_passfds, which has no session option: swapped for the call."""
     if hasattr(signal, "pthread_sigmask"):  # (Windows: no tracker)
-        from multiprocessing import resource_tracker
-        with stop_signals_blocked():
-            resource_tracker.ensure_running()
+        from multiprocessing import resource_tracker, util
+        spawn, util.spawnv_passfds = util.spawnv_passfds, spawn_in_own_session
+        try:
+            with stop_signals_blocked():
+                resource_tracker.ensure_running()
+        finally:
+            util.spawnv_passfds = spawn
+
+
+HELPERS = []  # what spawn_in_own_session started, kept: only multiprocessing waits for it
+
+
+def spawn_in_own_session(path, args, passfds):
+    """multiprocessing.util.spawnv_passfds's process (no other descriptor of this one: gloo's
+    sockets stay here), in a session of its own."""
+    helper = subprocess.Popen(args, executable=path, pass_fds=passfds, start_new_session=True)
+    HELPERS.append(helper)
+    return helper.pid
 
 
 def deaf(_):

@@ -58,6 +58,10 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
     "spawn_tracker_hearing": ("ddp_spawn_train.py", [(
         "    common.start_resource_tracker()  # the children's, deaf: a job's stop signal reaches it too\n", "")],
         "mp.spawn's parent starts its children's resource tracker hearing the stop signals"),
+    "tracker_in_trainers_group": ("common.py", [(
+        "        spawn, util.spawnv_passfds = util.spawnv_passfds, spawn_in_own_session\n",
+        "        spawn = util.spawnv_passfds\n")],
+        "the resource tracker in the trainer's process group: a SIGKILL to it leaves semaphores in /dev/shm"),
     "earlier_metrics_replaced": ("common.py", [("    if logged and not (found or args.overwrite):", "    if False:")],
                                  "a fresh run rewrites an earlier run's metrics.jsonl whose checkpoint is gone"),
     "frozen_store_waited_on": ("train_extras/hangs.py", [("        arrived = within(10, lambda: mark_and_read(run))\n",

@@ -193,8 +193,9 @@ def test_a_rank_frozen_while_the_ranks_evaluate_with_workers_ends_the_run_within
     assert seconds < bound + 15, log[-4000:]
     assert len(named(1).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
     assert worker_exit_codes(log) == {0: 3, 1: -signal.SIGKILL}, log[-4000:]
-    # multiprocessing's resource tracker, in a group of its own (train_extras/workers.py), outlives the SIGKILL and
-    # unlinks the semaphores of rank 1's DataLoader from /dev/shm (the session's end checks): its warning says so
+    # multiprocessing's resource tracker, in a session of its own (common.start_resource_tracker), outlives the
+    # SIGKILL and unlinks the semaphores of rank 1's DataLoader from /dev/shm (the session's end checks): its warning
+    # says so
     deadline = time.monotonic() + 10
     while [pid for pid in group if alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -44,7 +44,7 @@ def start(ds):
     context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str)
                                           and not m.startswith("_")))
     from multiprocessing import forkserver
-    start_resource_tracker()  # forkserver's own start would start it, in this process group
+    common.start_resource_tracker()  # forkserver's own start would start it, in this process group
     deaf_helpers(forkserver.ensure_running)  # where fork_server made none: a fresh interpreter
     return dict(multiprocessing_context=context)  # its workers: common.deaf, as every worker
 
@@ -62,34 +62,6 @@ def deaf_helpers(start):
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def start_resource_tracker():
-    """multiprocessing's resource tracker, started deaf (deaf_helpers) and in a process group of its
-    own. The forkserver's DataLoaders name their semaphores in /dev/shm, and the tracker unlinks
-    them if the trainer cannot (its purpose: python/cpython#13222, bpo-36867): a SIGKILL to the
-    trainer's process group (torchrun's, at the end of its grace period) would kill a tracker in it
-    too, and leave them there until a reboot. ensure_running starts it through
-    util.spawnv_passfds, which has no process-group option: swapped for the call alone."""
-    from multiprocessing import resource_tracker, util
-    spawn = util.spawnv_passfds
-    util.spawnv_passfds = spawn_in_own_group
-    try:
-        deaf_helpers(resource_tracker.ensure_running)
-    finally:
-        util.spawnv_passfds = spawn
-
-
-def spawn_in_own_group(path, args, passfds):
-    """multiprocessing.util.spawnv_passfds's process, in a process group of its own."""
-    inheritable = {fd: os.get_inheritable(fd) for fd in passfds}
-    for fd in passfds:
-        os.set_inheritable(fd, True)
-    try:
-        return os.posix_spawn(path, args, os.environ, setpgroup=0)
-    finally:
-        for fd, was in inheritable.items():
-            os.set_inheritable(fd, was)
-
-
 def fork_server(args):
     """The fork server, forked from this process now: the script's first step, before the process
     group's threads, where no other thread runs yet. Only where the run reads files with workers
@@ -102,7 +74,7 @@ def fork_server(args):
     if hasattr(args, "dataset"):
         import torchvision.transforms.v2  # noqa: F401
     from multiprocessing import forkserver
-    start_resource_tracker()  # as forkserver's own start would: the workers share it
+    common.start_resource_tracker()  # as forkserver's own start would: the workers share it
     # its socket in a folder of its own, which the server removes as it ends (the scripts end by
     # os._exit: multiprocessing's own pymp-* folder would stay in TMPDIR, one each run)
     folder = tempfile.mkdtemp(prefix="workers-")
