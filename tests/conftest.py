@@ -28,16 +28,7 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="the full tier: also the tests marked full (CI runs it)")
 
 
-# the tests of a job's stop and of DataLoader workers: the full tier's that CI's newest-Python leg runs too, with the
-# everyday tier (`python -m pytest --full -m "not full or workers"`: .ci/python_leg)
-WORKER_TESTS = re.compile(r"every_process_of_the_job|however_the_workers_start|with_workers|forked_workers|"
-                          r"dataloader_worker|workers_do_not_change|leaves_no_worker")
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if WORKER_TESTS.search(item.name):
-            item.add_marker(pytest.mark.workers)
     if config.getoption("--full"):
         return
     everyday = [item for item in items if item.get_closest_marker("full") is None]

@@ -174,6 +174,7 @@ PARENTS = ("import os\n" + MY_PROJECT).replace(
                              "            f.write(f'{os.getppid() == self.trainer}\\n')\n")
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("copied", [True, False], ids=["workers.py copied", "alone"])
 def test_dataloader_workers_start_from_a_fork_server_where_train_extras_workers_is(tmp_path, copied):
     """A worker forked from a process that runs other threads (gloo's) can deadlock at its start, and the run with it
@@ -189,6 +190,7 @@ def test_dataloader_workers_start_from_a_fork_server_where_train_extras_workers_
     assert len(seen) >= 4 * 16 and set(seen) == {str(not server)}, seen[:8]
 
 
+@pytest.mark.workers
 @pytest.mark.full
 def test_a_trainer_killed_outright_leaves_no_worker_behind(tmp_path):
     """SIGKILL (the OOM killer's) to a process paused at step 3 with its 2 DataLoader workers alive, started from a

@@ -386,6 +386,7 @@ def test_a_signal_to_an_srun_step_reaches_every_task_which_save_at_the_step_they
 
 
 
+@pytest.mark.workers
 @pytest.mark.full
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 0)], ids=["SIGTERM", "SIGUSR1"])
 def test_scancel_to_tasks_reading_files_with_dataloader_workers_saves_and_says_nothing_else(slurm, sig, code, images,

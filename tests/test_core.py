@@ -428,6 +428,7 @@ def test_copied_alone_sigterm_to_one_rank_saves_at_an_agreed_step_exits_143_and_
     assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
 
 
+@pytest.mark.workers
 @pytest.mark.full
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py"])
 def test_copied_alone_sigterm_to_a_ranks_process_group_with_forked_workers_saves_and_the_resume_is_exact(
@@ -471,6 +472,7 @@ def test_copied_alone_an_extra_not_copied_is_one_line_and_exit_2(script, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.workers
 @pytest.mark.full
 @pytest.mark.parametrize("script", ["dp_train.py", "ddp_launch_train.py"])
 def test_copied_alone_a_dataloader_worker_that_never_answers_ends_the_run_in_one_line_exit_3(script, mine_copy,

@@ -165,6 +165,7 @@ EVAL_S = 1  # seconds per evaluation batch: 2 batches of the 21 images on each r
 GRACE, NAMING = 30, 5  # torchrun's grace period after a failed worker; hangs.py's wait for every stuck rank's mark
 
 
+@pytest.mark.workers
 @pytest.mark.full
 def test_a_rank_frozen_while_the_ranks_evaluate_with_workers_ends_the_run_within_its_timeouts(images, short_tmp,
                                                                                             tmp_path, measured):

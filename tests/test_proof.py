@@ -385,6 +385,7 @@ def test_fp16_trains_like_fp32_and_its_scaler_survives_resume(tmp_path):
         assert torch.equal(resumed["model"][k], straight["model"][k]), k
 
 
+@pytest.mark.workers
 @pytest.mark.full
 def test_workers_do_not_change_results(tmp_path):
     from test_scripts import write_imagefolder

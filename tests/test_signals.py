@@ -679,6 +679,7 @@ JOB_CASES = [  # launch, signal, script, more flags, to: "job" (every process), 
                  marks=pytest.mark.full)]
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("launch, sig, script, more, to", JOB_CASES,
                          ids=lambda v: getattr(v, "name", None) or (" ".join(v) if isinstance(v, list) else v))
 def test_a_stop_signal_to_every_process_of_the_job_saves_at_one_step_and_leaves_nothing(
@@ -790,6 +791,7 @@ def test_a_run_that_ends_before_its_queues_threads_does_not_report_their_semapho
     assert p.stderr == "stopped by SIGUSR1 at step 6, where last.pt was saved: --resume auto continues\n", p.stderr
 
 
+@pytest.mark.workers
 @pytest.mark.full
 def test_a_job_stop_during_an_evaluation_with_workers_ends_it_with_its_row_and_the_resume_ends_exactly(
         images, unbroken_job, short_tmp, tmp_path, measured):

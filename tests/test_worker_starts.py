@@ -37,6 +37,7 @@ def without_workers_py(tmp_path_factory):
     return folder
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("launch, sig, script, method", START_CASES, ids=lambda v: getattr(v, "name", v))
 def test_a_job_stop_saves_and_leaves_nothing_however_the_workers_start(launch, sig, script, method, images,
                                                                      unbroken_job, without_workers_py, short_tmp,
