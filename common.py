@@ -916,7 +916,9 @@ def start_resource_tracker():
             util.spawnv_passfds = spawn
 
 
-HELPERS = []  # what spawn_in_own_session started, kept: only multiprocessing waits for it
+# the processes spawn_in_own_session started, their Popen kept: freed, it would let subprocess
+# reap the tracker, which multiprocessing waits for itself
+HELPERS = []
 
 
 def spawn_in_own_session(path, args, passfds):
