@@ -916,16 +916,17 @@ def start_resource_tracker():
             util.spawnv_passfds = spawn
 
 
-# the processes spawn_in_own_session started, their Popen kept: freed, it would let subprocess
-# reap the tracker, which multiprocessing waits for itself
-HELPERS = []
+# what lives until os._exit: the Popen of each process spawn_in_own_session started (freed, it
+# would let subprocess reap the tracker, which multiprocessing waits for itself); the destroyed
+# process group (run_and_exit says why)
+KEPT = []
 
 
 def spawn_in_own_session(path, args, passfds):
     """multiprocessing.util.spawnv_passfds's process (no other descriptor of this one: gloo's
     sockets stay here), in a session of its own."""
     helper = subprocess.Popen(args, executable=path, pass_fds=passfds, start_new_session=True)
-    HELPERS.append(helper)
+    KEPT.append(helper)
     return helper.pid
 
 
@@ -983,6 +984,11 @@ def run_and_exit(main, parse_args):
     finally:
         end_workers()
         if dist.is_initialized():
+            # kept: freed by leave()'s gc with DDP's Reducer, which holds the GIL meanwhile, the
+            # group would wait for its gloo threads, one of which may wait for the GIL to free the
+            # last collective's tensors: a deadlock (pytorch/pytorch#56297), 1 stop in 80 on 2 busy
+            # cores, until the launcher's SIGKILL
+            KEPT.append(dist.group.WORLD)
             dist.destroy_process_group()
     leave(code, ended, inherited)
 

@@ -62,6 +62,8 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
         "        spawn, util.spawnv_passfds = util.spawnv_passfds, spawn_in_own_session\n",
         "        spawn = util.spawnv_passfds\n")],
         "the resource tracker in the trainer's process group: a SIGKILL to it leaves semaphores in /dev/shm"),
+    "process_group_freed": ("common.py", [("            KEPT.append(dist.group.WORLD)\n", "")],
+                            "the process group freed by the gc after a stop: now and then its destructor deadlocks"),
     "earlier_metrics_replaced": ("common.py", [("    if logged and not (found or args.overwrite):", "    if False:")],
                                  "a fresh run rewrites an earlier run's metrics.jsonl whose checkpoint is gone"),
     "frozen_store_waited_on": ("train_extras/hangs.py", [("        arrived = within(10, lambda: mark_and_read(run))\n",

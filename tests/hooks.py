@@ -14,6 +14,8 @@ file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
     handled-<SIG>-<pid>    process pid has taken signal SIG: its Python handler is running
     exit-rank<r>           rank r, having trained, called sys.exit or os._exit: the status it asked for
     teardown-rank<r>       rank r, having trained, went through the interpreter's teardown (not left by os._exit)
+    group-threads-rank<r>  rank r, as it asked for its exit: how many of the threads that init_process_group started
+                           are still running, and how many it started ("3 3"): a process group's destructor ends them
     saving-rank<r>         the TEST_STALL_SAVE-th checkpoint that rank r writes with torch.save is half on disk (JSON:
                            path, bytes written, bytes in all, pid): the other half follows `go-save`
     stalled-rank<r>        rank r's part of a sharded (DCP) save, from the TEST_STALL_DCP-th on, is written, but
@@ -67,6 +69,12 @@ class Hooks:
     def exits(self):
         """{rank: the status it asked sys.exit or os._exit for} (its own, unless a signal killed it first)."""
         return {r: int(text) for r, text in self.ranks("exit").items()}
+
+    def groups_destroyed(self):
+        """{rank: threads of its process group that had ended when it asked for its exit} of the ranks where any
+        had: the group's destructor ran (common.KEPT keeps it until os._exit)."""
+        counts = {r: [int(n) for n in text.split()] for r, text in self.ranks("group-threads").items()}
+        return {r: started - alive for r, (alive, started) in counts.items() if alive < started}
 
     def handled(self, pid, sig):
         return (self.dir / f"handled-{signal.Signals(sig).name}-{pid}").exists()

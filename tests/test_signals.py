@@ -56,11 +56,14 @@ def position(ckpt, steps_per_epoch):
 
 def agreed_stop(log, sig, hooks, out, steps_per_epoch, after, by):
     """The step the run stopped at, having checked that it is one step (after `after`, by `by`): where rank 0 said
-    it stopped, once, where every rank's optimizer stopped, and where last.pt was saved."""
+    it stopped, once, where every rank's optimizer stopped, and where last.pt was saved. And that no rank's process
+    group was destroyed before its exit: freed by the gc after a stop, its destructor now and then waited forever for
+    a gloo thread that waited for the GIL (common.KEPT), and torchrun killed the rank 30 s later."""
     steps = stopped(log, sig)
     assert len(steps) == 1 and after < steps[0] <= by, f"stopped at {steps}, not once in ({after}, {by}]\n{log[-3000:]}"
     assert set(hooks.steps().values()) == {steps[0]}, hooks.steps()  # every rank stopped there...
     assert position(load(out / "last.pt"), steps_per_epoch) == steps[0]  # ...and saved there, after the signal
+    assert hooks.groups_destroyed() == {}, "process group threads ended before the exit, by rank"
     return steps[0]
 
 

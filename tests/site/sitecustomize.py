@@ -43,9 +43,13 @@ def _install():
 
     _trained_as = []  # the rank of this process, once it has taken an optimizer step: a rank, not a launcher
 
+    _group_threads = []  # the threads that init_process_group started (gloo's own among them)
+
     def _marking_exit(exit):  # a rank's status, where no test can wait for it (torchrun's workers)
         def marked(code=None):
             if _trained_as:
+                alive = [t for t in _group_threads if os.path.exists(f"/proc/self/task/{t}")]
+                _mark(f"group-threads-rank{_trained_as[0]}", f"{len(alive)} {len(_group_threads)}")
                 _mark(f"exit-rank{_trained_as[0]}", str(code))
             exit(code)
         return marked
@@ -60,6 +64,15 @@ def _install():
 
     def _rank():
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    _init_process_group = dist.init_process_group
+
+    def _noting_threads(*args, **kwargs):  # the threads it starts: a destroyed process group's end with it
+        before = set(os.listdir("/proc/self/task"))
+        group = _init_process_group(*args, **kwargs)
+        _group_threads[:] = sorted(set(os.listdir("/proc/self/task")) - before)
+        return group
+    dist.init_process_group = _noting_threads
 
     _pause_at, _step_s = int(os.environ.get("TEST_PAUSE_AT", "0")), float(os.environ.get("TEST_STEP_S", "0"))
     _hang_at = tuple(map(int, os.environ["TEST_HANG_AT"].split(":"))) if os.environ.get("TEST_HANG_AT") else None
