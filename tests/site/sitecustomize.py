@@ -43,13 +43,15 @@ def _install():
 
     _trained_as = []  # the rank of this process, once it has taken an optimizer step: a rank, not a launcher
 
-    _group_threads = []  # the threads that init_process_group started (gloo's own among them)
+    _group_threads = {}  # {pid: the threads that init_process_group started there} (a forked worker has none)
 
     def _marking_exit(exit):  # a rank's status, where no test can wait for it (torchrun's workers)
         def marked(code=None):
+            threads = _group_threads.get(os.getpid())
+            if _trained_as and threads is not None:
+                alive = [t for t in threads if os.path.exists(f"/proc/self/task/{t}")]
+                _mark(f"group-threads-rank{_trained_as[0]}", f"{len(alive)} {len(threads)}")
             if _trained_as:
-                alive = [t for t in _group_threads if os.path.exists(f"/proc/self/task/{t}")]
-                _mark(f"group-threads-rank{_trained_as[0]}", f"{len(alive)} {len(_group_threads)}")
                 _mark(f"exit-rank{_trained_as[0]}", str(code))
             exit(code)
         return marked
@@ -70,7 +72,7 @@ def _install():
     def _noting_threads(*args, **kwargs):  # the threads it starts: a destroyed process group's end with it
         before = set(os.listdir("/proc/self/task"))
         group = _init_process_group(*args, **kwargs)
-        _group_threads[:] = sorted(set(os.listdir("/proc/self/task")) - before)
+        _group_threads[os.getpid()] = sorted(set(os.listdir("/proc/self/task")) - before)
         return group
     dist.init_process_group = _noting_threads
 
@@ -198,7 +200,7 @@ def _install():
 
 
 if os.environ.get("TEST_SEMAPHORES"):  # the suite's named semaphores, told apart from other programs' in /dev/shm
-    import multiprocessing  # (conftest's leftover check): sem.mp-tests-*, in this process and in its children
+    import multiprocessing  # (conftest's leftover check): sem.mp-tests-<tag>-*, in this process and in its children
     multiprocessing.current_process()._config["semprefix"] = os.environ["TEST_SEMAPHORES"]
 
 if os.environ.get("TEST_START_METHOD"):  # how processes start, DataLoader workers too (fork, forkserver, spawn)
