@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -122,21 +123,32 @@ def pytest_runtest_setup(item):
 
 
 # ---- nothing left behind, of what the tests make. Every started process's TMPDIR is inside pytest's own folder, which
-# pytest cleans up; what else they make is told apart by its name: in the real temporary folder, short_tmp's folders;
+# pytest cleans up; what else they make is told apart by its name: in /tmp, short_tmp's folders;
 # in /dev/shm, the named semaphores of the suite's processes (multiprocessing's, which the resource tracker unlinks
-# unless it was killed: named sem.mp-tests-* by the hooks' TEST_SEMAPHORES); in the checkout, anything new. Another
-# program's files, made meanwhile (a browser's, another build's, a training run's sem.mp-*), are not the tests'
-SHORT_TMP = "ddp-tests-"  # short_tmp's folders
-SEMAPHORES = "/mp-tests"  # the suite's processes' named semaphores (processes.clean_env, site/sitecustomize.py)
-WATCHED = {"tmp": (tempfile.gettempdir(), SHORT_TMP), "shm": ("/dev/shm", f"sem.{SEMAPHORES[1:]}-"),
-           "checkout": (str(ROOT), "")}
+# unless it was killed: named by the hooks' TEST_SEMAPHORES); in the checkout, anything new. Those names hold a tag of
+# the session's own, which pytest-xdist's workers take from the run that starts them: another program's files, made
+# meanwhile (a browser's, another build's, a training run's sem.mp-*, another session's of this suite), are not the
+# tests'
+TAG = secrets.token_hex(4)
 LEFT_BEHIND = []
 IGNORED = re.compile(r"pytest-of-.*|__pycache__|\.pytest_cache|\.ruff_cache|\.venv.*|\.git")
 
 
+def pytest_configure_node(node):  # pytest-xdist, in the run that starts a worker
+    node.workerinput["tag"] = TAG
+
+
+def name_what_tests_make(config):
+    """This session's names: short_tmp's folders, and the semaphores (processes.clean_env's TEST_SEMAPHORES)."""
+    tag = config.workerinput["tag"] if hasattr(config, "workerinput") else TAG
+    SETTINGS["short_tmp"], SETTINGS["semaphores"] = f"ddp-tests-{tag}-", f"/mp-tests-{tag}"
+
+
 def snapshot():
     found = set()
-    for where, (folder, prefix) in WATCHED.items():
+    watched = {"tmp": ("/tmp", SETTINGS["short_tmp"]), "shm": ("/dev/shm", f"sem.{SETTINGS['semaphores'][1:]}-"),
+               "checkout": (str(ROOT), "")}
+    for where, (folder, prefix) in watched.items():
         with contextlib.suppress(OSError):
             found |= {f"{where}:{name}" for name in os.listdir(folder)
                       if name.startswith(prefix) and not IGNORED.fullmatch(name)}
@@ -150,6 +162,7 @@ def controller(config):
 
 
 def pytest_sessionstart(session):
+    name_what_tests_make(session.config)
     if controller(session.config):
         session.config.before = snapshot()
     SETTINGS["tmp"] = str(session.config._tmp_path_factory.getbasetemp() / "tmp")
@@ -242,7 +255,7 @@ def short_tmp():
     """A short folder of its own under /tmp, for a TMPDIR: multiprocessing puts its sockets in folders of its own
     there, and a socket's path ends at 107 bytes (a DataLoader worker sending a batch from under a deep TMPDIR fails
     with "AF_UNIX path too long"); removed after the test."""
-    folder = Path(tempfile.mkdtemp(prefix=SHORT_TMP, dir="/tmp"))
+    folder = Path(tempfile.mkdtemp(prefix=SETTINGS["short_tmp"], dir="/tmp"))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 

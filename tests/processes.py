@@ -34,7 +34,9 @@ TIMEOUT = 300  # seconds: no run may hang the suite
 # ---- environments
 # what a launcher or a job sets for its processes: never inherited from wherever the tests themselves run
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-SETTINGS = {"tmp": None}  # the folder every started process gets as TMPDIR (conftest: inside pytest's own)
+# tmp: the folder every started process gets as TMPDIR (conftest: inside pytest's own); the session's names of
+# short_tmp's folders and of the semaphores (conftest.name_what_tests_make)
+SETTINGS = {"tmp": None, "short_tmp": "ddp-tests-", "semaphores": "/mp-tests"}
 
 
 class CpuEnv(dict):
@@ -58,7 +60,8 @@ def clean_env(base=None, **extra):
     tmp = {"TMPDIR": SETTINGS["tmp"]} if SETTINGS["tmp"] else {}
     site = os.pathsep.join(p for p in (str(TESTS / "site"), base.get("PYTHONPATH")) if p)
     env = {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONFAULTHANDLER": "1", "PATH": path, **tmp, "PYTHONPATH": site, "TEST_SEMAPHORES": "/mp-tests",
+           "PYTHONFAULTHANDLER": "1", "PATH": path, **tmp, "PYTHONPATH": site,
+           "TEST_SEMAPHORES": SETTINGS["semaphores"],
            **{k: str(v) for k, v in extra.items() if v is not None}}
     return CpuEnv({k: v for k, v in env.items() if extra.get(k, "") is not None})  # None: unset
 

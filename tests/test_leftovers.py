@@ -1,14 +1,16 @@
 """The suite's own leftover check (conftest.py): it fails a run whose tests leave something behind, and only then. A
 pytest run of its own, with the suite's conftest.py, runs one test: in the first, a process the test starts leaves a
 named semaphore in /dev/shm, as one whose resource tracker was killed would; in the second, another program (this
-test, outside that run) writes into /tmp and /dev/shm while that run's test waits."""
+test, outside that run) writes into /tmp and /dev/shm while that run's test waits: files of its own, and the files
+this session's tests make (another session of the suite, running meanwhile)."""
 import os
+import re
 import sys
 import time
 
 import pytest
 
-from processes import TESTS, Proc
+from processes import SETTINGS, TESTS, Proc
 
 INNER = '''
 import os, sys, time
@@ -24,7 +26,7 @@ os._exit(0)
 
 
 def test_a_run_leaves_a_semaphore():
-    command([sys.executable, "-c", LEAK], env=clean_env(TEST_SEMAPHORES="/mp-tests-inner"), check=True)
+    command([sys.executable, "-c", LEAK], env=clean_env(), check=True)
 
 
 def test_another_program_writes_meanwhile():
@@ -43,23 +45,20 @@ def inner_run(tmp_path, test):
     return Proc(cmd, tmp_path / "log", cwd=tmp_path, env=env, merge=True, fork=False)
 
 
-def inner_semaphores():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-tests-inner-")}
-
-
 @pytest.mark.full
 def test_the_leftover_check_fails_a_run_whose_test_leaves_a_semaphore(tmp_path):
-    """(Its semaphore named apart from this run's own tests', which the inner run may see too.)"""
-    left = set()
+    """(Its semaphore named with that run's tag, apart from this run's own tests'.)"""
+    left = []
     try:
         p = inner_run(tmp_path, "test_a_run_leaves_a_semaphore")
         p.wait(expect=None)
-        left = inner_semaphores()
         lines = [line for line in p.output().splitlines() if "which fails the run" in line]
-        assert p.returncode == 1 and len(lines) == 1 and len(left) == 1, (left, p.output()[-3000:])
-        assert f"shm:{left.pop()}" in lines[0], p.output()[-3000:]
+        left = re.findall(r"shm:(sem\.mp-tests-[\w-]+)", "".join(lines))
+        assert p.returncode == 1 and len(lines) == 1 and len(left) == 1, p.output()[-3000:]
+        assert os.path.exists(f"/dev/shm/{left[0]}"), left
+        assert not left[0].startswith(f"sem.{SETTINGS['semaphores'][1:]}-"), left  # that run's own name
     finally:
-        for name in inner_semaphores():  # not left for this run's own check
+        for name in left:  # not left for good
             os.unlink(f"/dev/shm/{name}")
 
 
@@ -69,7 +68,8 @@ def test_the_leftover_check_passes_a_run_while_another_program_writes_into_tmp_a
     try:
         p.until(lambda: (tmp_path / "started").exists(), "the inner test running")
         tag = f"other-{os.getpid()}-{time.monotonic_ns()}"
-        made = [f"/tmp/{tag}", f"/dev/shm/sem.mp-{tag}", f"/dev/shm/{tag}"]
+        made = [f"/tmp/{tag}", f"/tmp/{SETTINGS['short_tmp']}{tag}", f"/dev/shm/sem.mp-{tag}", f"/dev/shm/{tag}",
+                f"/dev/shm/sem.{SETTINGS['semaphores'][1:]}-{tag}"]  # this session's tests' names too
         os.mkdir(made[0])
         for path in made[1:]:
             open(path, "w").close()
