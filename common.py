@@ -918,7 +918,7 @@ def start_resource_tracker():
 
 # what lives until os._exit: the Popen of each process spawn_in_own_session started (freed, it
 # would let subprocess reap the tracker, which multiprocessing waits for itself); the destroyed
-# process group (run_and_exit says why)
+# default process group, DDP's (run_and_exit says why)
 KEPT = []
 
 

@@ -129,11 +129,12 @@ def pytest_runtest_setup(item):
 # the session's own, which pytest-xdist's workers take from the run that starts them: another program's files, made
 # meanwhile (a browser's, another build's, a training run's sem.mp-*, another session's of this suite), are not the
 # tests'
-TAG = secrets.token_hex(4)
+TAG = os.environ.get("TEST_SESSION_TAG") or secrets.token_hex(4)  # (a test's run of its own may name its tag)
 LEFT_BEHIND = []
 IGNORED = re.compile(r"pytest-of-.*|__pycache__|\.pytest_cache|\.ruff_cache|\.venv.*|\.git")
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):  # pytest-xdist, in the run that starts a worker
     node.workerinput["tag"] = TAG
 

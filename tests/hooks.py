@@ -70,11 +70,10 @@ class Hooks:
         """{rank: the status it asked sys.exit or os._exit for} (its own, unless a signal killed it first)."""
         return {r: int(text) for r, text in self.ranks("exit").items()}
 
-    def groups_destroyed(self):
-        """{rank: threads of its process group that had ended when it asked for its exit} of the ranks where any
-        had: the group's destructor ran (common.KEPT keeps it until os._exit)."""
-        counts = {r: [int(n) for n in text.split()] for r, text in self.ranks("group-threads").items()}
-        return {r: started - alive for r, (alive, started) in counts.items() if alive < started}
+    def group_threads(self):
+        """{rank: (how many of the threads that init_process_group started still ran as it asked for its exit, how
+        many it started)}: fewer than it started, its process group's destructor had run."""
+        return {r: tuple(int(n) for n in text.split()) for r, text in self.ranks("group-threads").items()}
 
     def handled(self, pid, sig):
         return (self.dir / f"handled-{signal.Signals(sig).name}-{pid}").exists()

@@ -54,17 +54,26 @@ def position(ckpt, steps_per_epoch):
     return ckpt["epoch"] * steps_per_epoch + ckpt["step_in_epoch"]
 
 
-def agreed_stop(log, sig, hooks, out, steps_per_epoch, after, by):
+def agreed_stop(log, sig, hooks, out, steps_per_epoch, after, by, group=True):
     """The step the run stopped at, having checked that it is one step (after `after`, by `by`): where rank 0 said
-    it stopped, once, where every rank's optimizer stopped, and where last.pt was saved. And that no rank's process
-    group was destroyed before its exit: freed by the gc after a stop, its destructor now and then waited forever for
-    a gloo thread that waited for the GIL (common.KEPT), and torchrun killed the rank 30 s later."""
+    it stopped, once, where every rank's optimizer stopped, and where last.pt was saved; and that every rank left
+    with its process group whole (kept_groups; group=False: a script without one)."""
     steps = stopped(log, sig)
     assert len(steps) == 1 and after < steps[0] <= by, f"stopped at {steps}, not once in ({after}, {by}]\n{log[-3000:]}"
     assert set(hooks.steps().values()) == {steps[0]}, hooks.steps()  # every rank stopped there...
     assert position(load(out / "last.pt"), steps_per_epoch) == steps[0]  # ...and saved there, after the signal
-    assert hooks.groups_destroyed() == {}, "process group threads ended before the exit, by rank"
+    if group:
+        kept_groups(hooks, hooks.steps())
     return steps[0]
+
+
+def kept_groups(hooks, ranks):
+    """Checks that each of `ranks` left with its process group whole: every thread that init_process_group started
+    still ran as it asked for its exit. Freed by the gc after a stop, the group's destructor now and then waited
+    forever for a gloo thread that waited for the GIL (common.KEPT), until torchrun's SIGKILL 30 s later."""
+    threads = hooks.group_threads()
+    assert sorted(threads) == sorted(ranks) and all(alive == started > 0 for alive, started in threads.values()), \
+        f"each rank's process group's threads (running at its exit, started): {threads}"
 
 
 def load(path):
@@ -154,7 +163,7 @@ def test_a_signal_to_one_process_saves_at_its_next_check_and_exits_with_its_stat
         proc.kill()
     assert before == 4
     assert_exit(p, CODE[sig])
-    agreed_stop(p.stdout, sig, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE)
+    agreed_stop(p.stdout, sig, hooks, out, STEPS_PER_EPOCH, PAUSE - 1, NEXT_SAVE, group=script != "dp_train.py")
     assert "Traceback" not in p.stdout, p.stdout[-3000:]
     assert temporary(out) == []
 
@@ -210,6 +219,7 @@ def test_sigusr1_to_one_fsdp_worker_stops_every_rank_at_one_step_in_one_sharded_
     assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks' parts
     assert sharded_position(ckpt, tmp_path) == step
     assert hooks.steps() == {0: step, 1: step}
+    kept_groups(hooks, [0, 1])
     assert temporary(out) == []
     log = run("fsdp_train.py", *args, "--resume", "auto", launcher="torchrun", nproc=2).stdout
     assert f"resuming at step {step}" in log
@@ -376,6 +386,7 @@ def test_sigterm_during_a_background_sharded_save_waits_for_it_then_saves_at_the
     # after step 8's save; at the latest at step 12's check, whose save waits for step 8's to end
     assert step is not None and 8 < step <= 12, p.stdout[-3000:]
     assert hooks.steps() == {0: step, 1: step}
+    kept_groups(hooks, [0, 1])
     assert complete_sharded(out)[-2:] == [8, step]  # the newest complete checkpoint: the stop's, saved after the signal
     assert sorted(os.listdir(out / f"ckpt-{step}")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert sharded_position(out / f"ckpt-{step}", tmp_path) == step
@@ -492,6 +503,7 @@ def test_a_stop_agreed_at_an_epochs_last_step_saves_before_the_evaluation_and_th
     p = proc.result()
     assert_exit(p, 143)
     assert stopped(p.stdout, signal.SIGTERM) == [4] and hooks.steps() == {0: 4}, p.stdout[-3000:]
+    kept_groups(hooks, [0])
     ckpt = load(out / "last.pt")
     assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 0)  # the epoch's end, saved
     assert not (out / "metrics.jsonl").exists() or metrics(out) == []  # not evaluated
@@ -518,6 +530,7 @@ def test_a_stop_during_the_evaluation_ends_the_run_at_its_end_without_training_o
     p = proc.result()
     assert_exit(p, 143)
     assert stopped(p.stdout, signal.SIGTERM) == [4] and hooks.steps() == {0: 4}, p.stdout[-3000:]
+    kept_groups(hooks, [0])
     assert [r["step"] for r in metrics(out)] == [4]
     log = run("ddp_launch_train.py", *EVAL, "--resume", "auto", "--out-dir", out).stdout
     assert re.search(r"resuming at step 4\nepoch 2 ", log), log
@@ -735,6 +748,8 @@ def stop_the_job(launch, sig, script, more, to, hooks, images, unbroken_job, tmp
     log = "\n".join(p.output() for p in procs)
     assert died == [], f"killed by {sig.name}: {died}\n{log[-3000:]}"
     assert hooks.exits() == {r: JOB_CODE[sig] for r in ranks}, log[-3000:]
+    if script != "dp_train.py":  # (no process group)
+        kept_groups(hooks, ranks)
     # the job's status (docs/failures.md): torchrun's own, 1 after the SIGTERM it handles, killed by the SIGUSR1 it
     # does not handle; the spawn parent's and a lone process's, the signal's
     launcher = {"torchrun": {signal.SIGTERM: 1, signal.SIGUSR1: -signal.SIGUSR1}.get(sig)}.get(launch, JOB_CODE[sig])
@@ -820,6 +835,7 @@ def test_a_job_stop_during_an_evaluation_with_workers_ends_it_with_its_row_and_t
         procs[0].kill()
     log = procs[0].output()
     assert hooks.exits() == {0: 143, 1: 143}, log[-3000:]
+    kept_groups(hooks, [0, 1])
     assert stopped(log, signal.SIGTERM) == [JOB_STEPS[2]], log[-3000:]
     assert [r["step"] for r in metrics(out)] == [JOB_STEPS[2]], log[-3000:]  # the evaluation's row
     log = re.sub(r"Traceback \(most recent call last\):\n(?:[ ^].*\n)*.*SignalException: Process "

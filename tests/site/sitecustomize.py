@@ -67,14 +67,15 @@ def _install():
     def _rank():
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
-    _init_process_group = dist.init_process_group
+    if dist.is_available() and os.path.isdir("/proc/self/task"):  # (Linux)
+        _init_process_group = dist.init_process_group
 
-    def _noting_threads(*args, **kwargs):  # the threads it starts: a destroyed process group's end with it
-        before = set(os.listdir("/proc/self/task"))
-        group = _init_process_group(*args, **kwargs)
-        _group_threads[os.getpid()] = sorted(set(os.listdir("/proc/self/task")) - before)
-        return group
-    dist.init_process_group = _noting_threads
+        def _noting_threads(*args, **kwargs):  # the threads it starts: a destroyed process group's end with it
+            before = set(os.listdir("/proc/self/task"))
+            group = _init_process_group(*args, **kwargs)
+            _group_threads[os.getpid()] = sorted(set(os.listdir("/proc/self/task")) - before)
+            return group
+        dist.init_process_group = _noting_threads
 
     _pause_at, _step_s = int(os.environ.get("TEST_PAUSE_AT", "0")), float(os.environ.get("TEST_STEP_S", "0"))
     _hang_at = tuple(map(int, os.environ["TEST_HANG_AT"].split(":"))) if os.environ.get("TEST_HANG_AT") else None
