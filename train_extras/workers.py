@@ -45,21 +45,9 @@ def start(ds):
                                           and not m.startswith("_")))
     from multiprocessing import forkserver
     common.start_resource_tracker()  # forkserver's own start would start it, in this process group
-    deaf_helpers(forkserver.ensure_running)  # where fork_server made none: a fresh interpreter
+    with common.stop_signals_blocked():  # deaf, as common.Loader starts every helper
+        forkserver.ensure_running()  # where fork_server made none: a fresh interpreter
     return dict(multiprocessing_context=context)  # its workers: common.deaf, as every worker
-
-
-def deaf_helpers(start):
-    """start() with the stop signals blocked in this thread: the helper processes it starts (the
-    fork server, multiprocessing's resource tracker) inherit the mask, across exec too, and never
-    act on them. A job's stop signal reaches every process: the trainer saves, while a helper killed
-    by it would take the workers with it, or print tracebacks. Blocked, not ignored: one that comes
-    meanwhile still reaches the trainer."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, common.STOP_SIGNALS)
-    try:
-        start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def fork_server(args):
