@@ -984,10 +984,10 @@ def run_and_exit(main, parse_args):
     finally:
         end_workers()
         if dist.is_initialized():
-            # kept: freed by leave()'s gc with DDP's Reducer, which holds the GIL meanwhile, the
-            # group would wait for its gloo threads, one of which may wait for the GIL to free the
-            # last collective's tensors: a deadlock (pytorch/pytorch#56297), 1 stop in 80 on 2 busy
-            # cores, until the launcher's SIGKILL
+            # kept until os._exit. Freed by leave()'s gc along with DDP's Reducer, which holds the
+            # GIL, the group would wait for its gloo threads; one of them may be waiting for the
+            # GIL to free the last collective's tensors. A deadlock (pytorch/pytorch#56297): 1 stop
+            # in 80 on 2 busy cores, ended only by the launcher's SIGKILL
             KEPT.append(dist.group.WORLD)
             dist.destroy_process_group()
     leave(code, ended, inherited)

@@ -71,9 +71,10 @@ def kept_groups(hooks, ranks):
     """Checks that each of `ranks` left with its process group whole: every thread that init_process_group started
     still ran as it asked for its exit. Freed by the gc after a stop, the group's destructor now and then waited
     forever for a gloo thread that waited for the GIL (common.KEPT), until torchrun's SIGKILL 30 s later."""
-    threads = hooks.group_threads()
-    assert sorted(threads) == sorted(ranks) and all(alive == started > 0 for alive, started in threads.values()), \
-        f"each rank's process group's threads (running at its exit, started): {threads}"
+    threads = hooks.group_threads()  # {rank: (threads running at its exit, threads started)}
+    assert sorted(threads) == sorted(ranks), f"the ranks that counted their process group's threads: {threads}"
+    for rank, (running, started) in threads.items():
+        assert running == started > 0, f"rank {rank}: {running} of its process group's {started} threads at its exit"
 
 
 def load(path):
