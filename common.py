@@ -11,11 +11,13 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import functools
 import gc
 import importlib
 import json
 import math
 import multiprocessing
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -26,6 +28,7 @@ import tempfile
 import threading
 import time
 import traceback
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -328,13 +331,13 @@ def make_model(args, data):
 
 def make_loader(ds, batches, run):
     """Returns a DataLoader over `batches`, its generator not the one dropout draws from."""
-    if hasattr(ds, "batch_loader"):  # tensors in memory: whole batches (train_extras/datasets.py)
+    if callable(getattr(ds, "batch_loader", None)):  # whole batches (train_extras/datasets.py)
         return ds.batch_loader(batches, run)
     workers, start = run.args.workers, {}
     if workers:
         start = extra("workers").start(ds)
     return Loader(ds, batch_sampler=batches, num_workers=workers,
-                  **{"worker_init_fn": deaf, **start}, generator=torch.Generator(),
+                  **start, generator=torch.Generator(),
                   pin_memory=run.device.type != "cpu",
                   timeout=run.args.step_timeout if workers else 0)
 
@@ -370,10 +373,20 @@ def input_on(run, ds, x):
     """Moves one input tensor to the device (uint8 images: made float there)."""
     x = x.float() if x.dtype == torch.float64 else x  # numpy's default
     x = x.to(run.device, non_blocking=True)
-    x = ds.normalize_uint8(x) if x.dtype == torch.uint8 and hasattr(ds, "normalize_uint8") else x
+    normalize = getattr(ds, "normalize_uint8", None)
+    x = normalize(x) if x.dtype == torch.uint8 and callable(normalize) else x
     if run.args.channels_last and x.ndim == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     return x
+
+
+def validation_row(totals):
+    """The validation figures from the ranks' sums of (loss, correct, count): none but the count
+    where there is no validation sample (a run without a validation set)."""
+    loss_sum, correct, count = totals.tolist()
+    if not count:
+        return {"val_loss": None, "val_acc": None, "val_count": 0}
+    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
 
 
 def make_optimizer(args, model, steps_per_epoch):
@@ -426,10 +439,11 @@ def write_and_end_if_stopped(run, state):
 
 
 def read_checkpoint(path):
-    """Reads a checkpoint file on the CPU, tensors only (no code in it runs)."""
+    """Reads a checkpoint file on the CPU, tensors only (no code in it runs), its bytes checked."""
     if os.path.isdir(path):  # no last.pt in it; sharded.py names a sharded checkpoint
         extra("sharded").refuse_folder(path)
         raise UsageError(f"--resume {path}: a folder that holds no checkpoint (no last.pt)")
+    refuse_damaged(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # whatever torch.load raises
@@ -437,16 +451,35 @@ def read_checkpoint(path):
                          "truncated, or a pickled model (save its state_dict)?") from None
 
 
+def refuse_damaged(path):
+    """Refuses a checkpoint whose bytes changed after its save (a bad copy, a disk, a network
+    filesystem): torch's zip format holds each record's CRC-32, which torch.load does not check.
+    A record torch wrote without one (CRC 0: torch.serialization.set_crc32_options) is not read."""
+    if not zipfile.is_zipfile(path):
+        return  # torch's legacy format, or not a checkpoint at all: torch.load says
+    try:
+        with zipfile.ZipFile(path) as z:
+            for record in z.infolist():
+                if record.CRC:
+                    with z.open(record) as f:
+                        while f.read(2**24):  # its CRC checked at the end
+                            pass
+    except (zipfile.BadZipFile, OSError) as e:
+        raise UsageError(f"{path} is damaged ({e}): its bytes changed after it was saved (a bad "
+                         "copy, a disk, a network filesystem); give another checkpoint") from None
+
+
 def rows(run):
-    """Rank 0: reads metrics.jsonl's rows (not a half-written one)."""
+    """Rank 0: metrics.jsonl's lines, each with the row it holds where it is one of ours (a dict,
+    an integer step, a number epoch), else None: another tool's line, a note, kept as it is."""
     path, found = os.path.join(run.out_dir, "metrics.jsonl"), []
-    if not os.path.exists(path):
-        return found
-    for line in open(path).read().splitlines():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
+    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+        row = None
+        with contextlib.suppress(ValueError):
             row = json.loads(line)
-            if isinstance(row["step"], int):
-                found.append(row)
+        ours = isinstance(row, dict) and type(row.get("step")) is int and \
+            type(row.get("epoch")) in (int, float)
+        found.append((line, row if ours else None))
     return found
 
 
@@ -468,9 +501,10 @@ def check_out_dir(run):
         raise UsageError(f"{out} holds the {found[-1]} of another run, which this one would "
                          "replace: give another --out-dir, or --overwrite to replace it")
     if found and not (args.resume or args.overwrite):  # never replaced unasked
-        raise UsageError(f"{out} holds the {found[-1]} of an earlier run: --resume auto "
-                         "continues it, --overwrite replaces it, or give another --out-dir")
-    logged = rows(run)
+        raise UsageError(f"{out} holds the {found[-1]} of an earlier run: "
+                         f"{how_to_continue(args, out, found)}, --overwrite replaces it, or give "
+                         "another --out-dir")
+    logged = [line for line, _ in rows(run) if line.strip()]  # every line is someone's data
     if logged and not (found or args.overwrite):  # its checkpoints deleted, its log kept
         raise UsageError(f"{out} holds the metrics.jsonl of an earlier run ({len(logged)} rows), "
                          "which this one would replace: --overwrite replaces it, or give another "
@@ -482,6 +516,17 @@ def earlier_checkpoints(out):
     return sorted(n for n in os.listdir(out) if re.fullmatch(r"last\.pt|ckpt-\d+(\.tmp)?", n))
 
 
+def how_to_continue(args, out, found):
+    """What continues the earlier run in `out`: --resume auto; where it left only fsdp_train.py's
+    ckpt-<step> folders and this script reads last.pt alone (it has no --ckpt-format), their
+    conversion first."""
+    if "last.pt" in found or hasattr(args, "ckpt_format"):
+        return "--resume auto continues it"
+    last = os.path.join(out, "last.pt")
+    return (f"python -m train_extras.sharded {os.path.join(out, found[-1])} {last} makes it a "
+            "last.pt that --resume auto continues")
+
+
 def resumes_own(args, out):
     # 'auto', or its folder, or its last.pt
     real = os.path.realpath(args.resume or "")
@@ -491,6 +536,11 @@ def resumes_own(args, out):
 def checkpoint_to_resume(run):
     """Rank 0: the checkpoint --resume names, checked that this run can continue it (or None)."""
     args, path, ckpt = run.args, os.path.join(run.out_dir, "last.pt"), None
+    found = earlier_checkpoints(run.out_dir) if os.path.isdir(run.out_dir) else []
+    if args.resume == "auto" and found and not os.path.exists(path) and \
+            not hasattr(args, "ckpt_format"):  # fsdp_train.py's folders: not read here
+        raise UsageError(f"--resume auto: {run.out_dir} holds no last.pt but the {found[-1]} of "
+                         f"fsdp_train.py: {how_to_continue(args, run.out_dir, found)}")
     if args.resume == "auto" and not os.path.exists(path):
         print(f"--resume auto: no checkpoint in {run.out_dir}, starting afresh", flush=True)
     elif args.resume:
@@ -508,7 +558,7 @@ def take_over_out_dir(run):
     """Rank 0, once the checkpoint to resume (if any) is accepted: makes --out-dir; --overwrite
     deletes the earlier run there, all of it (--resume auto would take the rest); and a resume
     keeps in metrics.jsonl only the rows of the epochs its checkpoint covers (a row at --max-steps
-    mid-epoch goes: an unbroken run has none there)."""
+    mid-epoch goes: an unbroken run has none there), and every line that is not a row of ours."""
     try:
         os.makedirs(run.out_dir, exist_ok=True)
     except OSError as e:
@@ -520,17 +570,19 @@ def take_over_out_dir(run):
                 shutil.rmtree(path)
             elif os.path.exists(path):
                 os.remove(path)
-    path = os.path.join(run.out_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        kept = [r for r in rows(run) if r["epoch"] <= run.position.epoch]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+    logged = rows(run)  # a line not of ours stays, as it is
+    kept = [line for line, row in logged if row is None or row["epoch"] <= run.position.epoch]
+    if len(kept) < len(logged):  # rewritten whole, or not at all
+        path = os.path.join(run.out_dir, "metrics.jsonl")
+        with open(f"{path}.tmp", "w") as f:
+            f.writelines(line + "\n" for line in kept)
+        os.replace(f"{path}.tmp", path)
 
 
 def drop_logged_row(run, ckpt):
     """Returns `ckpt`, without its row to evaluate if metrics.jsonl has it, or another run's."""
     row = ckpt.get("row") if ckpt else None
-    if row and (row["step"] in [r["step"] for r in rows(run)] or
+    if row and (row["step"] in [r["step"] for _, r in rows(run) if r] or
                 not resumes_own(run.args, run.out_dir)):
         ckpt["row"] = None
     return ckpt
@@ -668,7 +720,7 @@ class Agreement:
         since = time.monotonic() - self.checked[1] if self.checked else 0.0
         # the first bad step negated (the MAX of negatives is the earliest); the highest signal
         # number (SIGTERM's 15 over SIGUSR1's 10: told to stop and to requeue, it stops)
-        flags = torch.cat([-self.first_bad[None], torch.tensor([STOP.received, since]).to(
+        flags = torch.cat([-self.first_bad[None], torch.tensor([STOP.poll(), since]).to(
             self.run.device, position.exact)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -687,9 +739,31 @@ class Agreement:
         self.next_check, self.checked = step + every, (step, time.monotonic())
 
 
-def set_step_timeout(seconds):
-    """From the first step's check on, each collective waits at most `seconds`, not the start-up's
-    10 minutes: a rank that stops answering ends the run then (exit 3)."""
+@contextlib.contextmanager
+def joining(seconds):
+    """Around init_process_group and a first collective: the ranks join within `seconds` (its
+    timeout), or each ends with one line (joining_failed), 10 s later at most: a store client
+    that reached another program's port waits for an answer forever (torch's TCPStore has no
+    timeout there). Joined, the start-up (data, downloads) has 10 minutes."""
+    def give_up():
+        print(f"error: {joining_failed('timed out')}", file=sys.stderr, flush=True)
+        os._exit(UsageError.code)
+    timer = threading.Timer(seconds + 10, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+    STOP.joined = True
+    set_timeout(600)
+
+
+def set_timeout(seconds):
+    """Each collective from now on waits at most `seconds`: the start-up's 10 minutes once the ranks
+    joined, --step-timeout from the first step's check on (a rank that stops answering ends the
+    run then, exit 3)."""
+    STOP.window = seconds
     if not dist.is_initialized():
         return
     if hasattr(dist, "set_timeout"):
@@ -722,8 +796,9 @@ class Output:
         self.bar.update()
         if position.step % run.args.log_every:
             return
+        speed = self.samples_per_s()
         values = {"loss": f"{loss.item():.4f}", "lr": f"{run.scheduler.get_last_lr()[0]:.2e}",
-                  "samples_per_s": f"{self.samples_per_s():.0f}"}
+                  **({} if speed is None else {"samples_per_s": f"{speed:.0f}"})}
         if run.rank == 0 and self.bar.disable and not position.epoch_done:
             print(f"epoch {position.epoch + 1}: step {position.step_in_epoch} of "
                   f"{run.steps_per_epoch}  " + "  ".join(map(" ".join, values.items())), flush=True)
@@ -745,12 +820,13 @@ class Output:
         return {"epoch": position.epoch + position.step_in_epoch / self.run.steps_per_epoch,
                 "step": position.step, **row, "lr": self.run.scheduler.get_last_lr()[0],
                 "samples_per_s": self.samples_per_s(),
-                "epoch_time_s": self.t1 - self.t0[0] if self.t0 else 0.0}
+                "epoch_time_s": self.t1 - self.t0[0] if self.samples_per_s() else None}
 
     def samples_per_s(self):
-        seconds = (self.t1 or self.clock()) - self.t0[0] if self.t0 else 0.0
+        """From the end of the epoch's first step; None where no step came after it."""
         steps = self.run.position.step - self.t0[1] if self.t0 else 0
-        return steps * self.run.global_batch / seconds if seconds > 0 else 0.0
+        seconds = (self.t1 or self.clock()) - self.t0[0] if steps else 0.0
+        return steps * self.run.global_batch / seconds if seconds > 0 else None
 
 
 
@@ -781,9 +857,13 @@ def log_epoch(run, row):
             from None
     if getattr(run.args, "tensorboard", False):
         extra("tensorboard").log(run.out_dir, row)
-    print(f"epoch {row['epoch']:.4g}  train_loss {row['train_loss']:.4f}  val_loss "
-          f"{row['val_loss']:.4f}  val_acc {row['val_acc']:.4f}  lr {row['lr']:.2e}  "
-          f"{row['samples_per_s']:.0f} samples/s", flush=True)
+    shown = [f"epoch {row['epoch']:.4g}", f"train_loss {row['train_loss']:.4f}"]
+    if row["val_count"]:  # (none: no validation set)
+        shown += [f"val_loss {row['val_loss']:.4f}", f"val_acc {row['val_acc']:.4f}"]
+    shown.append(f"lr {row['lr']:.2e}")
+    if row["samples_per_s"] is not None:  # (none: no step after the first to time)
+        shown.append(f"{row['samples_per_s']:.0f} samples/s")
+    print("  ".join(shown), flush=True)
 
 
 # ==================================================================================================
@@ -826,7 +906,8 @@ class Stopped(Ending):
         how = "before training: nothing was saved"
         if step is not None:
             how = f"at step {step}, where last.pt was saved: --resume auto continues"
-        super().__init__(f"stopped by {signal.Signals(signum).name} {how}", printer)
+        name = signal.Signals(STOP.named(signum)).name + STOP.orphaned * " (its launcher is gone)"
+        super().__init__(f"stopped by {name} {how}", printer)
         self.code = 0 if signum == getattr(signal, "SIGUSR1", None) else 128 + signum
 
 
@@ -842,14 +923,39 @@ class Stop:
     second SIGTERM does not (torchrun passes each on; SLURM signals every process)."""
 
     def __init__(self):
-        self.received = self.agreed = 0
+        self.received = self.agreed = self.window = self.joined = 0
         self.unfinished_saves = []  # finished before the run ends: sharded.py's, in the background
+        self.continued, self.launcher, self.orphaned = -math.inf, None, False
+        self.interrupted = None  # ddp_spawn_train.py's children: a Value, set on Ctrl-C
 
     def catch(self):
-        """From now on, a stop signal saves and stops every rank at one step (unless ignored)."""
+        """From now on, a stop signal saves and stops every rank at one step (unless ignored); so
+        does the end of a launcher that watches this process (torchrun, mp.spawn's parent), if it
+        leaves it training alone. A SIGCONT is noted: a pause (SIGSTOP, Ctrl-Z) then ended."""
         for sig in STOP_SIGNALS:
             if not self.received and signal.getsignal(sig) is not signal.SIG_IGN:
                 signal.signal(sig, self.note)
+        if hasattr(signal, "SIGCONT"):
+            signal.signal(signal.SIGCONT, lambda *_: setattr(self, "continued", time.monotonic()))
+        if "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process():
+            self.launcher = os.getppid()
+
+    def poll(self):
+        """The stop this process has to tell the ranks: a signal's, or SIGHUP's where its launcher
+        is gone (killed: its workers, in sessions of their own, would train on with nobody to
+        stop them, and beside a requeued job)."""
+        if self.launcher and os.getppid() != self.launcher and not self.received:
+            self.orphaned, self.received = True, signal.SIGHUP
+        return self.received
+
+    def paused(self):
+        """Whether a SIGCONT ended a pause of this process within the last collective's wait."""
+        return time.monotonic() - self.continued < self.window + 30
+
+    def named(self, signum):
+        """The signal a line names: the user's Ctrl-C where a parent passed it on as SIGTERM."""
+        interrupted = signum == signal.SIGTERM and self.interrupted and self.interrupted.value
+        return signal.SIGINT if interrupted else signum
 
     def note(self, signum, _):
         if signum == signal.SIGINT:
@@ -878,8 +984,20 @@ class Loader(DataLoader):
         if not self.num_workers:
             return super().__iter__()
         start_resource_tracker()
+        self.worker_init_fn = functools.partial(deaf, sockets_folder())
         with stop_signals_blocked():
             return super().__iter__()
+
+
+def sockets_folder():
+    """multiprocessing's temporary folder (pymp-*, a private name), where a worker's sockets go:
+    made once, here, and shared by every worker (leave() removes it). In /tmp where TMPDIR is too
+    deep for a socket's path (107 bytes; Python 3.14 checks characters, not bytes): clusters set
+    deep ones, and each worker failed with "AF_UNIX path too long"."""
+    config = multiprocessing.current_process()._config
+    if "tempdir" not in config and len(os.fsencode(tempfile.gettempdir())) > 70:
+        config["tempdir"] = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    return multiprocessing.util.get_temp_dir()
 
 
 @contextlib.contextmanager
@@ -930,14 +1048,16 @@ def spawn_in_own_session(path, args, passfds):
     return helper.pid
 
 
-def deaf(_):
+def deaf(sockets, _):
     """Makes a DataLoader worker ignore stop signals: its trainer saves, then ends it
-    (Lightning-AI/pytorch-lightning#17899). A worker started by a fork server also lets go of the
+    (Lightning-AI/pytorch-lightning#17899); its sockets go to its trainer's folder (see
+    sockets_folder). A worker started by a fork server also lets go of the
     server's end of a pipe that every process holds while the server is to run (so that its own
     children could start from it): held, it would keep the server, and so the worker, running
     after a trainer killed outright. No public name for it: where it is missing, skipped."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    multiprocessing.current_process()._config["tempdir"] = sockets
     server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
@@ -999,16 +1119,44 @@ def ending(e):
     signal's status, silently, but after SIGUSR1, whose status 0 would hide a crash; a timeout (a
     collective, a worker) a Hang; any other error its traceback, printed here, and exit 1."""
     why = str(e).strip().split("\n")[0]
+    timeout, lost = re.search("timed out|timeout", why.lower()), peer_lost(why)
     if isinstance(e, Ending):
         return e
     if isinstance(e, KeyboardInterrupt):
         return Stopped(signal.SIGINT)
-    if STOP.received not in (0, getattr(signal, "SIGUSR1", None)):
+    if (timeout or lost) and STOP.paused():  # all the job paused: nobody to blame
+        return Hang("a collective failed after this process was paused (SIGSTOP or Ctrl-Z, then "
+                    "SIGCONT) longer than --step-timeout, which gloo and NCCL count too: nobody "
+                    "froze, but the run ends here; --resume auto continues", printer=None)
+    if (timeout or lost or "EADDRINUSE" in why) and not STOP.joined and one_of_several():
+        return UsageError(joining_failed(why), printer=None)
+    if STOP.received not in (0, getattr(signal, "SIGUSR1", None)) and not (lost and
+                                                                           not STOP.agreed):
         return Stopped(STOP.received, printer=-1)
-    if "timed out" in why.lower():
+    if timeout:
         return Hang(f"{why} (--step-timeout): a rank or a worker stopped answering", printer=None)
+    if lost:  # (named by train_extras/hangs.py, where it is)
+        said = re.sub(r"\[\S+:\d+\] |\. This is typically.*", "", why)  # gloo's source and advice
+        return Hang(f"a peer's connection closed ({said}): a rank is gone", printer=None)
     traceback.print_exception(e)
     return Failed(why, printer=-1)
+
+
+def peer_lost(why):
+    """Whether an error says that a peer's process is gone (gloo's words, NCCL's)."""
+    words = ("connection closed by peer", "connection reset by peer", "remote process exited")
+    return any(w in why.lower() for w in words)
+
+
+def joining_failed(why):
+    """The line of a process group that did not form within --step-timeout: a launch mistake."""
+    env = os.environ
+    where = f"MASTER_ADDR={env.get('MASTER_ADDR')} MASTER_PORT={env.get('MASTER_PORT')}"
+    if "EADDRINUSE" in why:  # rank 0 could not serve the store there
+        return f"{where}: the port is taken by another program; give a free one"
+    return (f"the ranks did not join within --step-timeout at {where}, WORLD_SIZE="
+            f"{env.get('WORLD_SIZE')}: every rank needs the same WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT, a port no other program holds, and all must start")
 
 
 def launcher_rank():

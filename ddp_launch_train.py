@@ -38,8 +38,9 @@ def setup_distributed(args):
                                 "SyncBatchNorm's forward accepts no CPU tensors")
     device = common.local_device(args.device, local_rank)  # made current: NCCL and friends use it
     common.set_threads_and_math(local_world_size, args.deterministic)
-    # 10 minutes for the start-up (data, downloads); then --step-timeout
-    timeout, env = datetime.timedelta(minutes=10), os.environ
+    # the ranks join within --step-timeout (a launch mistake: one line then), then have 10 minutes
+    # for the start-up (data, downloads), then --step-timeout again
+    timeout, env = datetime.timedelta(seconds=args.step_timeout), os.environ
     store = None  # env://: rank 0's store (or torchrun's) at MASTER_ADDR:MASTER_PORT
     if world_size == 1:  # a lone process: no network, whatever MASTER_ADDR says
         store = dist.HashStore()
@@ -50,8 +51,10 @@ def setup_distributed(args):
     elif env["MASTER_PORT"] == "0":  # torchrun's own store is on a port the OS picked
         raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
                                 "give a free port, or --standalone")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
+    with common.joining(args.step_timeout):  # past it, one line (a launch mistake)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
     return common.Run(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
                       device=device, launcher=launcher or "python")
 
@@ -149,7 +152,7 @@ def train_one_epoch(run, epoch):
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
     run.sampler.set_epoch(epoch)
-    if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
+    if callable(getattr(run.train_set, "set_epoch", None)):  # augmentation seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
     # resumed mid-epoch: skip the batches already done
@@ -157,7 +160,7 @@ def train_one_epoch(run, epoch):
     run.raw_model.train()
     for x, y in loader:
         if position.step == position.start_step + 1:  # all ranks passed their start-up (step 1's
-            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
+            common.set_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
         position.step_done(loss, norm)
@@ -193,8 +196,7 @@ def evaluate(run):
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
     dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+    return common.validation_row(totals)
 
 
 def save(run):

@@ -35,8 +35,11 @@ def setup_distributed(args):  # [spawn]
     rank, world_size = int(os.environ["RANK"]), args.nprocs
     device = common.local_device(args.device, rank)  # and made current: NCCL and friends use it
     common.set_threads_and_math(world_size, args.deterministic)
-    timeout = datetime.timedelta(minutes=10)  # start-up: data, downloads; then --step-timeout
-    dist.init_process_group(args.backend, rank=rank, world_size=world_size, timeout=timeout)
+    # the ranks join within --step-timeout, then have 10 minutes for the start-up (data, downloads),
+    # then --step-timeout again
+    timeout = datetime.timedelta(seconds=args.step_timeout)
+    with common.joining(args.step_timeout):  # past it, one line
+        dist.init_process_group(args.backend, rank=rank, world_size=world_size, timeout=timeout)
     return common.Run(args=args, rank=rank, world_size=world_size, local_rank=rank,
                       device=device, launcher="mp.spawn")
 
@@ -134,7 +137,7 @@ def train_one_epoch(run, epoch):
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
     run.sampler.set_epoch(epoch)
-    if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
+    if callable(getattr(run.train_set, "set_epoch", None)):  # augmentation seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, args.batch_size * args.grad_accum, drop_last=True))
     # resumed mid-epoch: skip the batches already done
@@ -142,7 +145,7 @@ def train_one_epoch(run, epoch):
     run.raw_model.train()
     for x, y in loader:
         if position.step == position.start_step + 1:  # all ranks passed their start-up (step 1's
-            common.set_step_timeout(args.step_timeout)  # check): --step-timeout from here on
+            common.set_timeout(args.step_timeout)  # check): --step-timeout from here on
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
         position.step_done(loss, norm)
@@ -178,8 +181,7 @@ def evaluate(run):
         totals[1] += (out.argmax(1) == y).sum()
         totals[2] += len(y)
     dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+    return common.validation_row(totals)
 
 
 def save(run):
@@ -289,13 +291,13 @@ def launch(args):
     prepare(args)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the children start ignoring it (pass_on below)
     common.start_resource_tracker()  # the children's, deaf: a job's stop signal reaches it too
-    children = mp.spawn(child, args=(args,), nprocs=args.nprocs, join=False)
-    interrupted = []
+    interrupted = mp.get_context("spawn").Value("i", 0, lock=False)  # Ctrl-Cs so far
+    children = mp.spawn(child, args=(args, interrupted), nprocs=args.nprocs, join=False)
 
     def pass_on(signum, _):
         if signum == signal.SIGINT:  # Ctrl-C: a SIGTERM to the children; a second: killed
-            interrupted.append(signum)
-            signum = signal.SIGTERM if len(interrupted) == 1 else getattr(signal, "SIGKILL", 15)
+            interrupted.value += 1
+            signum = signal.SIGTERM if interrupted.value == 1 else getattr(signal, "SIGKILL", 15)
         for c in children.processes:
             if c.is_alive():
                 os.kill(c.pid, signum)
@@ -309,7 +311,7 @@ def launch(args):
         # the child said why (129, 143: stopped by a signal); else: say so
         if e.exit_code not in (1, 2, 3, 129, 143):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        if interrupted:  # Ctrl-C
+        if interrupted.value:  # Ctrl-C
             sys.exit(130)
         if e.exit_code < 0:  # killed by a signal
             sys.exit(1)
@@ -321,9 +323,10 @@ def launch(args):
             c.join()
 
 
-def child(rank, args):
+def child(rank, args, interrupted):
     """Runs child `rank` (in RANK for setup_distributed, as a launcher would set it)."""
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.nprocs)
+    common.STOP.interrupted = interrupted  # its stop line names Ctrl-C, not the SIGTERM for it
     common.run_and_exit(main, lambda: args)
 
 

@@ -157,7 +157,7 @@ def train_one_epoch(run, epoch):
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
     run.sampler.set_epoch(epoch)
-    if hasattr(run.train_set, "set_epoch"):  # a dataset whose augmentation is seeded per epoch
+    if callable(getattr(run.train_set, "set_epoch", None)):  # augmentation seeded per epoch
         run.train_set.set_epoch(epoch)
     batches = list(BatchSampler(run.sampler, run.global_batch,  # [dp] split over the GPUs later
                                 drop_last=True))
@@ -166,7 +166,7 @@ def train_one_epoch(run, epoch):
     run.raw_model.train()
     for x, y in loader:
         if position.step == position.start_step + 1:  # as in the DDP scripts; here a no-op:
-            common.set_step_timeout(args.step_timeout)  # one process, no collective to wait on
+            common.set_timeout(args.step_timeout)  # one process, no collective to wait on
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
         position.step_done(loss, norm)
@@ -199,8 +199,7 @@ def evaluate(run):  # [dp]
         totals[0] += loss_sums.sum().to(run.device)
         totals[1] += correct.sum().to(run.device)
         totals[2] += len(y)
-    loss_sum, correct, count = totals.tolist()
-    return {"val_loss": loss_sum / count, "val_acc": correct / count, "val_count": int(count)}
+    return common.validation_row(totals)
 
 
 def save(run):  # [dp]

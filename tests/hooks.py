@@ -10,9 +10,11 @@ Every hook leaves a mark, a file in the folder TEST_HOOKS names, and those that 
 file `go-pause`, `go-save` or `go-dcp` there (Hooks.go):
 
     steps-rank<r>          optimizer steps taken so far by rank r (this process's: a resumed run counts from 0)
-    paused-rank<r>         rank r waits after its optimizer step TEST_PAUSE_AT (the file holds its pid)
+    paused-rank<r>         rank r waits after its optimizer step TEST_PAUSE_AT ("step", or "rank:step" for that rank
+                           alone; the file holds its pid)
     handled-<SIG>-<pid>    process pid has taken signal SIG: its Python handler is running
     exit-rank<r>           rank r, having trained, called sys.exit or os._exit: the status it asked for
+    mp-tempdir-rank<r>     rank r's multiprocessing temporary folder (pymp-*) as it asked for its exit ("": none)
     teardown-rank<r>       rank r, having trained, went through the interpreter's teardown (not left by os._exit)
     group-threads-rank<r>  rank r, as it asked for its exit: how many of the threads that init_process_group started
                            are still running, and how many it started ("3 3"): a process group's destructor ends them
@@ -42,8 +44,8 @@ class Hooks:
     """The hooks (see the module's docstring) for the processes a test starts with `env`, and their marks."""
 
     def __init__(self, tmp_path, **settings):
-        """settings: pause_at=step, stall_save=n, fail_save=n, fail_metrics=n or "n:short", stall_dcp=n,
-        hang_at="rank:step", step_s=seconds, eval_s=seconds, see_dir=folder."""
+        """settings: pause_at=step (or "rank:step"), stall_save=n, fail_save=n, fail_metrics=n or "n:short",
+        stall_dcp=n, hang_at="rank:step", step_s=seconds, eval_s=seconds, see_dir=folder."""
         self.dir = Path(tmp_path) / "marks"
         self.dir.mkdir(parents=True, exist_ok=True)
         path = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)

@@ -210,3 +210,13 @@ def test_scaling_check_is_within_its_stated_error_of_the_published_figures():
         low, high = per_gpu / (published + 0.5) * 100 - 100, per_gpu / (published - 0.5) * 100 - 100
         assert low <= stated + 0.05 and stated - 0.05 <= high, f"{name}: projected {per_gpu:.1f}/s per GPU is " \
             f"{low:+.2f}% to {high:+.2f}% of the published {published:g}/s, not the stated {stated:+.1f}%"
+
+
+def test_checkpoint_read_benchmark_times_the_check_and_the_load():
+    """benchmarks/checkpoint_read.py: the file's size and both timings, each a number."""
+    p = command([sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_read.py"), "--model", "resnet18",
+                 "--repeats", 2], timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^resnet18: last\.pt of \d+ MiB, 2 repeats", p.stdout, re.M), p.stdout
+    for what in ("common.refuse_damaged:", "torch.load:"):
+        assert re.search(rf"^{re.escape(what)} +[\d.]+, [\d.]+, [\d.]+$", p.stdout, re.M), p.stdout

@@ -3,6 +3,7 @@ torchrun's --master_port=0 refused in one line (each torchrun script's setup_dis
 count (common.set_threads_and_math: the cores of the affinity mask shared among the processes of the machine)."""
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,8 @@ import time
 import pytest
 
 from conftest import assert_exit, checkpoint
-from processes import LAUNCHER_PICKS_PORT, TIMEOUT, Proc, alive, clean_env, descendants, torchrun
+from hooks import Hooks
+from processes import LAUNCHER_PICKS_PORT, SETTINGS, TIMEOUT, Proc, alive, clean_env, descendants, torchrun
 from test_precision import see_env, seen
 
 
@@ -136,3 +138,42 @@ def test_default_threads_share_the_affinity_mask(tmp_path, script, nprocs, cpus,
     processes = seen(see_dir)
     assert len(processes) == (nprocs or 1), processes
     assert [(s["cpus"], s["threads"]) for s in processes] == [(cpus, threads)] * len(processes), processes
+
+
+# ---- SIGQUIT (Ctrl-\; torchrun passes it on): "quit at once" is its default action, which the scripts leave alone
+@pytest.mark.workers
+@pytest.mark.full
+def test_sigquit_quits_at_once_and_leaves_what_docs_failures_md_says(images, short_tmp, tmp_path):
+    """SIGQUIT to torchrun while its 2 workers, each with 2 DataLoader workers reading files, wait at step 6: every
+    process ends within seconds, the last checkpoint (step 4's) is whole, and what stays is what docs/failures.md
+    says: in TMPDIR, each trainer's multiprocessing folder (pymp-*) and, where train_extras/workers.py started a
+    fork server, its workers-* folder; no semaphore (the resource tracker, in a session of its own, unlinks them,
+    and warns of each)."""
+    hooks = Hooks(tmp_path, pause_at=6)
+    out = tmp_path / "out"
+    proc = Proc(torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") + [
+        "--dataset", "imagefolder", "--data-dir", images, "--image-size", 16, "--workers", 2, "--batch-size", 8,
+        "--save-every", 4, "--epochs", 2, "--out-dir", out], tmp_path / "log",
+        env={**hooks.env, "TMPDIR": str(short_tmp)}, merge=True)
+    try:
+        proc.until(lambda: sorted(hooks.paused()) == [0, 1], "both ranks waiting at step 6")
+        job = [proc.pid, *descendants(proc.pid)]
+        os.kill(proc.pid, signal.SIGQUIT)
+        proc.wait(expect=None, timeout=60)
+        deadline = time.monotonic() + 15
+        while [pid for pid in job if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in job if alive(pid)] == [], job
+    finally:
+        proc.kill()
+    ckpt = checkpoint(str(out))
+    assert ckpt["epoch"] * 9 + ckpt["step_in_epoch"] == 4 and not [n for n in os.listdir(out) if ".tmp" in n]
+    left = sorted(re.sub(r"-\w+$", "-*", n) for n in os.listdir(short_tmp)
+                  if not n.startswith(("torchinductor_", "torchelastic_")))
+    assert left in (["pymp-*", "pymp-*"], ["pymp-*", "pymp-*", "workers-*", "workers-*"]), left
+    semaphores = "sem." + SETTINGS["semaphores"].lstrip("/")
+    deadline = time.monotonic() + 15
+    while [n for n in os.listdir("/dev/shm") if n.startswith(semaphores)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(semaphores)] == []
+    assert "leaked semaphore objects" in proc.output(), proc.output()[-3000:]

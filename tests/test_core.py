@@ -164,8 +164,17 @@ class Net(nn.Module):
 MINE_UINT8 = MINE_TEXT.replace("        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]\n",
                                "        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]\n"
                                "        self.x, self.normalize, self.loader = self.x.to(torch.uint8), False, open\n"
+                               "        self.normalize_uint8 = None\n"
                                ).replace("tokens.dtype == torch.int64", "tokens.dtype == torch.uint8"
                                          ).replace("self.embed(tokens)", "self.embed(tokens.long())")
+
+
+# ---- no validation set (an empty one: a run without one), from a Dataset whose attributes are named as the built-in
+# datasets' steps are (batch_loader, set_epoch, normalize_uint8) but hold plain data: none is called
+MINE_NO_VAL = MINE.replace("    return Points(512, 1), Points(200, 2)", "    return Points(512, 1), Points(0, 2)")
+MINE_NO_VAL = MINE_NO_VAL.replace("        self.loader = open  #", "        self.batch_loader = None\n"
+                                  "        self.set_epoch = self.normalize_uint8 = None\n        self.loader = open  #")
+assert MINE_NO_VAL.count("Points(0, 2)") == 1 and MINE_NO_VAL.count("self.batch_loader = ") == 1
 
 
 # ---- a tokenizer's batches: each sample's input a dict of input_ids and attention_mask, with a tuple of two more
@@ -361,6 +370,22 @@ def test_copied_alone_with_my_dataset_and_model_it_learns_and_rank_0_logs_once(s
     assert len(re.findall(r"^epoch 2 ", p.stdout, re.M)) == 1, p.stdout  # printed once, not once per process
     assert not tracebacks(p), p.stderr[-3000:]
     assert position(checkpoint(str(out))) == STEPS
+
+
+@pytest.mark.parametrize("script", ["ddp_launch_train.py", "fsdp_train.py",
+                                    *(pytest.param(s, marks=pytest.mark.full) for s in SCRIPTS
+                                      if s not in ("ddp_launch_train.py", "fsdp_train.py"))])
+def test_copied_alone_without_a_validation_set_it_trains_and_logs_no_validation_figures(script, tmp_path):
+    """An empty validation set (Points(0)), and Dataset attributes named batch_loader, set_epoch and normalize_uint8
+    that are None: every script trains both epochs, each row has no validation figures (val_count 0), the epoch's
+    line shows none, and no process fails (FSDP on 2 ranks runs no forward for it)."""
+    out = tmp_path / "out"
+    folder = copy_alone(tmp_path / "project", script, MINE_NO_VAL)
+    p = ok(launch(folder, script, *flags(script), "--out-dir", out, how=SCRIPTS[script]))
+    assert [(r["val_loss"], r["val_acc"], r["val_count"]) for r in metrics(out)] == [(None, None, 0)] * 2
+    lines = re.findall(r"^epoch \d .*$", p.stdout, re.M)
+    assert len(lines) == 2 and not any("val_" in line for line in lines), p.stdout[-2000:]
+    assert not tracebacks(p) and not error_lines(p), p.stderr[-3000:]
 
 
 @pytest.mark.parametrize("script", [pytest.param("ddp_launch_train.py", marks=pytest.mark.floor),
@@ -630,6 +655,38 @@ def test_a_model_with_tied_weights_trains_under_fsdp_to_ddps_weights_and_resumes
         final = checkpoint(str(out)) if not formats else sharded_final(out, tmp_path)
         assert max_diff(final["model"], unbroken["model"]) == 0
         assert max_diff(final["optimizer"], unbroken["optimizer"]) == 0
+
+
+# ---- a child that ends in nn.Flatten (a view of its input): FSDP2 warns of in-place ops on its output
+MINE_FLATTEN = MINE.replace(
+    "        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))",
+    "        self.features = nn.Sequential(nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(),\n"
+    "                                      nn.Flatten())\n"
+    "        self.body = nn.Linear(128, 4)").replace("        out = self.body(x)",
+                                                 "        out = self.body(self.features(x))")
+assert MINE_FLATTEN.count("nn.Flatten()") == MINE_FLATTEN.count("self.body(self.features(x))") == 1
+VIEW_WARNING = "returned a view tensor"
+
+
+@pytest.mark.full
+def test_fsdp_trains_a_child_that_ends_in_flatten_as_ddp_does_and_torch_warns_once_a_rank(tmp_path, measured):
+    """docs/fsdp.md: torch's FSDP2 warns, once on each rank, that the child returned a view tensor (an in-place op
+    on it would skip the all-gather); the run trains as DDP does all the same. With the flatten moved to the
+    parent's forward (torch.flatten(x, 1)), nothing is said."""
+    args = ["--epochs", 1, "--batch-size", 16, "--lr", 0.05, "--workers", 0]
+    runs = {}
+    for script in ("ddp_launch_train.py", "fsdp_train.py"):
+        folder = copy_alone(tmp_path / script[:4], script, MINE_FLATTEN)
+        runs[script] = ok(launch(folder, script, *args, "--out-dir", tmp_path / f"{script[:4]}_run", how="ranks"))
+    assert_same_training(tmp_path / "fsdp_run", tmp_path / "ddp__run", measured, "a child ending in Flatten, FSDP "
+                         "against DDP")
+    assert runs["fsdp_train.py"].stderr.count(VIEW_WARNING) == 2, runs["fsdp_train.py"].stderr[-3000:]
+    moved = MINE_FLATTEN.replace("nn.Tanh(),\n                                      nn.Flatten())", "nn.Tanh())")
+    moved = moved.replace("self.body(self.features(x))", "self.body(torch.flatten(self.features(x), 1))")
+    assert moved.count("nn.Flatten") == 0 and moved.count("torch.flatten") == 1
+    folder = copy_alone(tmp_path / "moved", "fsdp_train.py", moved)
+    p = ok(launch(folder, "fsdp_train.py", *args, "--out-dir", tmp_path / "moved_run", how="ranks"))
+    assert VIEW_WARNING not in p.stderr, p.stderr[-3000:]
 
 
 def sharded_final(out, tmp_path):

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,8 +25,8 @@ import pytest
 
 from conftest import assert_exit, worker_exit_codes
 from hooks import Hooks
-from processes import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, Proc, alive, command, descendants, run, start_ranks,
-                       torchrun, worker_env)
+from processes import (LAUNCHER_PICKS_PORT, ROOT, TIMEOUT, Proc, alive, children, command, descendants, free_port,
+                       run, start_ranks, torchrun, worker_env)
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401  (fixtures)
 
 TINY = ["--model", "smooth", "--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]  # 4 steps
@@ -287,3 +288,133 @@ def test_a_finished_rank_leaves_without_the_interpreters_teardown(script, launch
     assert hooks.exits() == {rank: 0 for rank in range(nproc or 1)}, p.stdout[-3000:]
     assert not hooks.ranks("teardown"), p.stdout[-3000:]  # (mp.spawn's children end by sys.exit: a status 0 alone
     # does not show it)
+
+
+# ---- a peer killed outright: the others end within --step-timeout, naming it, without a traceback
+LOST = [*TINY, "--epochs", 2, "--step-timeout", 5]
+
+
+def gone_line(text):
+    return [line for line in errors(text) if "a peer's connection closed" in line]
+
+
+@pytest.mark.parametrize("victim, nproc", [(0, 2), pytest.param(1, 2, marks=pytest.mark.full),
+                                           pytest.param(2, 3, marks=pytest.mark.full)])
+def test_hand_launched_ranks_name_a_rank_killed_outright(victim, nproc, tmp_path):
+    """Every rank waits after step 2 (tests/hooks.py); then rank `victim` is SIGKILLed and the others go on: each
+    ends within --step-timeout and the naming's seconds, exit 3, and one line over all of them names the lost rank
+    ("and the store does not answer" where it was rank 0, whose process held the store); no traceback."""
+    hooks = Hooks(tmp_path, pause_at=2)
+    ranks = start_ranks("ddp_launch_train.py", [*LOST, "--out-dir", tmp_path / "out"], nproc, env=hooks.env,
+                        folder=tmp_path / "ranks")
+    others = [r for r in range(nproc) if r != victim]
+    try:
+        for proc in ranks.procs:
+            proc.until(lambda: len(hooks.paused()) == nproc, "every rank waiting at step 2")
+        os.kill(hooks.paused()[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        hooks.go()
+        codes = [ranks.wait(r, timeout=60) for r in others]
+        seconds = time.monotonic() - killed
+    finally:
+        ranks.kill()
+    output = "".join(ranks.stderr(r) for r in others)
+    store = ", and the store does not answer" if victim == 0 else ""
+    assert codes == [3] * len(others) and gone_line(output) == [
+        f"error: a peer's connection closed{store}: rank {victim} is gone"], ranks.output()
+    assert "Traceback" not in output, ranks.output()
+    assert seconds < 5 + 2 * NAMING + 10, seconds  # --step-timeout, the marks, rank 0's wait for them, the exit
+
+
+@pytest.mark.full
+def test_a_node_killed_outright_under_two_node_torchrun_is_named_by_the_other(tmp_path):
+    """Two torchrun agents on this machine as two nodes (c10d rendezvous, 2 workers each); one node's agent and
+    workers SIGKILLed at step 2: the other node's ranks end with one line naming the lost ranks and their node, no
+    traceback of theirs, whichever node held the rendezvous's store."""
+    hooks = Hooks(tmp_path, pause_at=2)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [Proc(torchrun("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                           "ddp_launch_train.py", *LOST, "--out-dir", tmp_path / f"out{n}"), tmp_path / f"log{n}",
+                  env=hooks.env, merge=True) for n in (0, 1)]
+    try:
+        for node in nodes:
+            node.until(lambda: len(hooks.paused()) == 4, "every rank waiting at step 2")
+        workers = {n: [int(worker_env(pid)["RANK"]) for pid in children(node.pid)] for n, node in enumerate(nodes)}
+        lost, kept = (0, 1) if 0 in workers[1] else (1, 0)  # the node without rank 0
+        nodes[lost].kill()
+        hooks.go()
+        nodes[kept].wait(expect=None, timeout=90)
+        log = nodes[kept].output()
+    finally:
+        for node in nodes:
+            node.kill()
+    gone = sorted(workers[lost])
+    said = gone_line(log)
+    assert len(said) == 1 and re.search(rf"ranks {gone[0]} \(node \d\), {gone[1]} \(node \d\) are gone$", said[0]), \
+        log[-4000:]
+    assert 'ddp_launch_train.py", line' not in log, log[-4000:]  # (torchrun's own report is its traceback)
+
+
+# ---- a whole job paused (Ctrl-Z, scontrol suspend: SIGSTOP, then SIGCONT) longer than --step-timeout
+@pytest.mark.full
+def test_a_job_paused_longer_than_the_step_timeout_blames_no_rank(tmp_path):
+    """mp.spawn's 2 children, rank 0 held after its step 2 (tests/hooks.py) so that rank 1 waits in a collective;
+    every process of the job then stopped (SIGSTOP) for longer than --step-timeout, continued (SIGCONT), and rank 0
+    let go: the collective that waited across the pause times out, and the run ends with the one line that says
+    so, exit 3, naming no rank as frozen or gone."""
+    hooks = Hooks(tmp_path, pause_at="0:2")
+    proc = Proc([sys.executable, "ddp_spawn_train.py", "--nprocs", "2", *map(str, LOST), "--out-dir",
+                 str(tmp_path / "out")], tmp_path / "log", env=hooks.env, merge=True)
+    try:
+        proc.until(lambda: 0 in hooks.paused() and hooks.steps().get(1, 0) >= 2, "rank 0 held, rank 1 past step 2")
+        time.sleep(1)  # rank 1 in step 3's collective
+        job = proc.tree()
+        for pid in job:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(5 + 3)  # longer than --step-timeout
+        for pid in job:
+            os.kill(pid, signal.SIGCONT)
+        hooks.go()
+        proc.wait(expect=3, timeout=60)
+    finally:
+        proc.kill()
+    said = errors(proc.output())
+    assert said and all("after this process was paused" in line for line in said), proc.output()[-4000:]
+    assert not re.search("never arrived|is gone|are gone|frozen", proc.output()), proc.output()[-4000:]
+
+
+# ---- launch mistakes: one line each, within a bounded wait for the process group to form (--step-timeout)
+@pytest.mark.parametrize("mistake", ["WORLD_SIZE differs", pytest.param("MASTER_PORT taken", marks=pytest.mark.full)])
+def test_hand_launched_ranks_that_cannot_join_end_with_one_line_each_within_the_step_timeout(mistake, tmp_path):
+    """Ranks started by hand with WORLD_SIZE 2 and 3, or on a MASTER_PORT that another program listens on (it
+    accepts, never answers): each rank ends within --step-timeout and 10 s with one line and exit 2; no
+    traceback."""
+    port = free_port()
+    listener = None
+    if mistake == "MASTER_PORT taken":
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+    sizes = [2, 3] if mistake == "WORLD_SIZE differs" else [2, 2]
+    procs = []
+    t = time.monotonic()
+    try:
+        for rank, size in enumerate(sizes):
+            env = dict(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            procs.append(Proc([sys.executable, "ddp_launch_train.py", *map(str, TINY), "--step-timeout", "5",
+                               "--out-dir", str(tmp_path / f"out{rank}")], tmp_path / "log", env=env,
+                              name=f"rank{rank}"))
+        codes = [p.wait(expect=None, timeout=60) for p in procs]
+        seconds = time.monotonic() - t
+    finally:
+        for p in procs:
+            p.kill()
+        if listener:
+            listener.close()
+    for p in procs:
+        assert len(errors(p.stderr)) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert codes == [2, 2] and seconds < 5 + 10 + 10, (codes, seconds)  # the timer, the exit, the start-up
+    if mistake == "MASTER_PORT taken":
+        assert "the port is taken by another program" in errors(procs[0].stderr)[0]
+    assert "did not join within --step-timeout" in errors(procs[-1].stderr)[0]

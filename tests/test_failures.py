@@ -5,10 +5,12 @@ Statuses are asserted with conftest.assert_exit: the process's own under python 
 torchrun's report under torchrun (docs/failures.md, "Exit codes")."""
 import importlib.util
 import os
+import shutil
 import signal
 import sys
 import time
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch
 import common
 from conftest import assert_exit, checkpoint, max_diff, metrics
 from hooks import Hooks
-from processes import Proc, alive, descendants, run
+from processes import Proc, alive, command, descendants, run
 from train_extras import models
 from train_extras.sharded import to_file, to_folder
 
@@ -30,6 +32,9 @@ def previous_run(tmp_path_factory):
     run("ddp_launch_train.py", *TINY, "--out-dir", d / "out")
     (d / "truncated.pt").write_bytes((d / "out" / "last.pt").read_bytes()[:5000])
     (d / "notackpt.pt").write_text("hello")
+    damaged = bytearray((d / "out" / "last.pt").read_bytes())  # 4 KiB overwritten mid-file, in a tensor's bytes
+    damaged[len(damaged) // 2:len(damaged) // 2 + 4096] = b"\x7f" * 4096
+    (d / "damaged.pt").write_bytes(damaged)
     torch.save({"model": {"weight": torch.zeros(3)}}, d / "other_arch.pt")
     (d / "empty").mkdir()
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, as meant
@@ -57,6 +62,9 @@ BAD = {  # name: (arguments, words the one error line must contain)
     # no network (a proxy that refuses): one line naming the file and the folder to put it in
     "pretrained_offline": (["--model", "resnet18", "--pretrained"], "resnet18-f37072fd.pth (from https://download."
                            "pytorch.org/models/resnet18-f37072fd.pth) in {d}/torch_home/hub/checkpoints"),
+    # its bytes changed after its save (a bad copy, a disk): the CRCs torch wrote, checked wherever it is read
+    "damaged_resume": (["--resume", "{d}/damaged.pt"], "damaged.pt is damaged (Bad CRC-32 for file 'archive/data/"),
+    "damaged_weights": (["--weights", "{d}/damaged.pt"], "damaged.pt is damaged (Bad CRC-32 for file 'archive/data/"),
     "missing_resume": (["--resume", "{d}/nope.pt"], "nope.pt is not a readable checkpoint "
                        "(FileNotFoundError): missing"),
     # DCP is fsdp_train.py's: its checkpoints, and its flags, are one line here
@@ -73,7 +81,7 @@ BAD = {  # name: (arguments, words the one error line must contain)
 }
 # also checked with 2 ranks (started by hand: each one's status is its own)
 TWO_PROCESSES = {"imagefolder_missing", "truncated_resume", "other_architecture", "pretrained_offline", "batch_size_0",
-                 "sharded_resume"}
+                 "sharded_resume", "damaged_resume"}
 
 
 def one_error_line(p, code=2, nproc=None):
@@ -204,3 +212,49 @@ def test_spawn_child_crash_ends_the_others(tmp_path):
     assert "error: process 1 terminated with signal SIGKILL" in err, err  # the parent says what happened to the child
     time.sleep(1)
     assert not [w for w in workers if alive(w)]
+
+
+def test_a_damaged_checkpoint_is_refused_by_the_conversion_and_one_saved_without_crcs_is_not(previous_run, tmp_path):
+    """The conversion to a sharded folder refuses the damaged last.pt in one line; a last.pt that torch wrote without
+    CRCs (torch.serialization.set_crc32_options(False)) resumes as any other."""
+    p = command([sys.executable, "-m", "train_extras.sharded", previous_run / "damaged.pt", tmp_path / "folder"])
+    assert p.returncode == 1 and p.stderr.startswith(f"error: {previous_run / 'damaged.pt'} is damaged (Bad CRC-32")
+    assert not (tmp_path / "folder").exists()
+    out = tmp_path / "out"
+    shutil.copytree(previous_run / "out", out)
+    ckpt = checkpoint(str(out))
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(ckpt, out / "last.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert {i.CRC for i in zipfile.ZipFile(out / "last.pt").infolist()} == {0}
+    p = run("ddp_launch_train.py", *TINY, "--epochs", 2, "--resume", "auto", "--out-dir", out)
+    assert "resuming at step 8" in p.stdout
+
+
+@pytest.mark.full
+def test_a_damaged_sharded_checkpoint_is_refused_wherever_it_is_read_and_one_saved_without_checksums_is_not(tmp_path):
+    """fsdp_train.py's ckpt-4 with a shard's bytes overwritten: --resume auto (2 ranks, each checking its share of the
+    files) and the conversion to one file each refuse it in one line naming the file; the same folder without its
+    checksums.json (as saved before they were written) resumes unchecked."""
+    out = tmp_path / "run"
+    dcp = [*TINY, "--ckpt-format", "dcp", "--out-dir", out]
+    run("fsdp_train.py", *dcp, "--max-steps", 4, launcher="torchrun", nproc=2)
+    folder = out / "ckpt-4"
+    whole = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    assert sorted(whole) == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json"]
+    damaged = bytearray(whole["__1_0.distcp"])
+    damaged[len(damaged) // 2:len(damaged) // 2 + 4096] = b"\x7f" * 4096
+    (folder / "__1_0.distcp").write_bytes(damaged)
+    p = run("fsdp_train.py", *dcp, "--resume", "auto", launcher="torchrun", nproc=2, check=False)
+    line = one_error_line(p, 2, nproc=2)
+    assert line == (f"error: {folder} is damaged: __1_0.distcp no longer matches the checksum saved with it (its "
+                    "bytes changed after the save: a bad copy, a disk, a network filesystem); give another "
+                    "checkpoint"), line
+    p = command([sys.executable, "-m", "train_extras.sharded", folder, tmp_path / "last.pt"])
+    assert p.returncode == 1 and f"{folder} is damaged: __1_0.distcp" in p.stderr, p.stderr
+    (folder / "__1_0.distcp").write_bytes(whole["__1_0.distcp"])
+    os.remove(folder / "checksums.json")
+    p = run("fsdp_train.py", *dcp, "--epochs", 2, "--resume", "auto", launcher="torchrun", nproc=2)
+    assert "resuming at step 4" in p.stdout

@@ -1,13 +1,15 @@
 """One --out-dir, one run: a resume never replaces another run's checkpoints or mixes two runs' metrics; --overwrite
 replaces the whole earlier run (every last.pt and ckpt-<step> folder), never part of it; a resume on other data (a
 seed, a size, a data set, a sample count) is refused, even where the steps per epoch agree."""
+import json
 import os
 import shutil
+import sys
 
 import pytest
 
 from conftest import assert_exit, checkpoint, metrics
-from processes import run
+from processes import command, run
 
 ARGS = ["--epochs", 2, "--train-size", 256, "--val-size", 50, "--batch-size", 32]  # 8 steps an epoch
 
@@ -95,3 +97,53 @@ def test_an_earlier_runs_metrics_without_its_checkpoint_are_never_replaced_unask
         assert (out / "metrics.jsonl").read_text() == rows and os.listdir(out) == ["metrics.jsonl"]
     run(script, *ARGS, "--epochs", 1, "--out-dir", out, "--overwrite")
     assert [r["step"] for r in metrics(out)] == [8]
+
+
+# lines of a metrics.jsonl that the scripts did not write: another tool's rows, rows keyed global_step, a float or a
+# string step, a note by hand, an integer step without an epoch
+FOREIGN = ['{"epoch": 1, "loss": 0.5}', '{"global_step": 8, "epoch": 1, "val_loss": 0.4}', '{"step": 8.0, "epoch": 1}',
+           '{"step": "8", "epoch": 1}', "lr halved by hand here", '{"step": 4}']
+
+
+def test_every_line_of_an_earlier_metrics_jsonl_is_someones_data(tmp_path):
+    """A fresh run refuses a folder whose metrics.jsonl holds lines it cannot read, in one line, the file byte for
+    byte the same; a resume keeps every such line where it was and drops only its own rows that its checkpoint does
+    not cover."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text("\n".join(FOREIGN) + "\n")
+    p = run("ddp_launch_train.py", *ARGS, "--max-steps", 4, "--out-dir", fresh, check=False)
+    assert_exit(p, 2)
+    assert f"holds the metrics.jsonl of an earlier run ({len(FOREIGN)} rows)" in one_line(p)
+    assert (fresh / "metrics.jsonl").read_text() == "\n".join(FOREIGN) + "\n" and os.listdir(fresh) == ["metrics.jsonl"]
+    out = tmp_path / "run"
+    run("ddp_launch_train.py", *ARGS, "--epochs", 1, "--out-dir", out)  # last.pt at step 8, its row
+    at_8 = (out / "last.pt").read_bytes()
+    run("ddp_launch_train.py", *ARGS, "--resume", "auto", "--out-dir", out)  # and step 16's row
+    own = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([own[0], *FOREIGN[:3], own[1], *FOREIGN[3:]]) + "\n")
+    (out / "last.pt").write_bytes(at_8)  # back to step 8: its resume drops step 16's row, and only it
+    run("ddp_launch_train.py", *ARGS, "--resume", "auto", "--out-dir", out)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert lines[:len(FOREIGN) + 1] == [own[0], *FOREIGN], lines
+    assert [json.loads(line)["step"] for line in lines[len(FOREIGN) + 1:]] == [16], lines
+
+
+@pytest.mark.full
+def test_a_script_that_reads_last_pt_says_how_to_continue_fsdps_sharded_folders(tmp_path):
+    """A folder holding only fsdp_train.py's ckpt-4: ddp_launch_train.py, started afresh, names the conversion that
+    makes it a last.pt, and --resume auto is refused with the same advice rather than starting afresh beside it;
+    once converted, --resume auto continues it."""
+    out = tmp_path / "run"
+    run("fsdp_train.py", *ARGS, "--ckpt-format", "dcp", "--max-steps", 4, "--out-dir", out, launcher="torchrun",
+        nproc=2)
+    assert sorted(os.listdir(out)) == ["ckpt-4", "metrics.jsonl"]
+    convert = f"python -m train_extras.sharded {out / 'ckpt-4'} {out / 'last.pt'}"
+    for more in ([], ["--resume", "auto"]):
+        p = run("ddp_launch_train.py", *ARGS, "--out-dir", out, *more, check=False)
+        assert_exit(p, 2)
+        assert f"{convert} makes it a last.pt that --resume auto continues" in one_line(p)
+    assert sorted(os.listdir(out)) == ["ckpt-4", "metrics.jsonl"]
+    command([sys.executable, "-m", "train_extras.sharded", out / "ckpt-4", out / "last.pt"], check=True)
+    p = run("ddp_launch_train.py", *ARGS, "--out-dir", out, "--resume", "auto", launcher="torchrun", nproc=2)
+    assert "resuming at step 4" in p.stdout

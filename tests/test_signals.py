@@ -601,7 +601,8 @@ def test_ctrl_c_to_the_whole_group_stops_at_one_step_with_a_save(launch, images,
         assert hooks.exits() == {0: 130, 1: 130} and "got signal: 2" in p.stdout, p.stdout[-3000:]
     else:
         assert_exit(p, 130)
-    agreed_stop(p.stdout, sig, hooks, out, 18 // len(ranks), PAUSE - 1, NEXT_SAVE)
+    # the line names the user's Ctrl-C, SIGINT, also where spawn's parent passed it on as a SIGTERM
+    agreed_stop(p.stdout, signal.SIGINT, hooks, out, 18 // len(ranks), PAUSE - 1, NEXT_SAVE)
     assert "KeyboardInterrupt" not in p.stdout and "exited unexpectedly" not in p.stdout, p.stdout[-3000:]
 
 
@@ -619,6 +620,67 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path):
     finally:
         proc.kill()
     assert position(load(out / "last.pt"), STEPS_PER_EPOCH) == 4 and temporary(out) == []
+
+
+# ---- the launcher gone: torchrun starts each worker in a session of its own, so that a torchrun killed (or dead of a
+# SIGUSR1 it does not pass on: its default action) leaves them training, with nobody to stop them, beside a requeued
+# job; mp.spawn's children likewise outlive a parent killed outright
+GONE = {"torchrun SIGKILL": ("torchrun", signal.SIGKILL), "torchrun SIGUSR1": ("torchrun", signal.SIGUSR1),
+        "mp.spawn SIGKILL": ("mp.spawn", signal.SIGKILL)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "torchrun SIGKILL" else pytest.mark.full)
+                                  for c in GONE])
+def test_workers_whose_launcher_is_gone_stop_at_their_next_check_saved_and_the_resume_is_exact(case, tmp_path,
+                                                                                                reference):
+    """The launcher killed while both ranks wait at PAUSE: each rank, its parent gone, stops at its next check (by
+    NEXT_SAVE), saved, with one line, `stopped by SIGHUP (its launcher is gone) at step N`, and exits 129; nothing
+    is left running, and --resume auto ends bit for bit where an unbroken run does."""
+    launch, sig = GONE[case]
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    cmd = (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") if launch == "torchrun"
+           else [sys.executable, "ddp_spawn_train.py", "--nprocs", "2"])
+    proc = start(tmp_path, [*cmd, *map(str, flags(2)), "--out-dir", str(out)], hooks)
+    try:
+        pids = paused(proc, hooks, [0, 1])
+        os.kill(proc.pid, sig)
+        proc.wait(expect=-sig)  # the launcher is gone; its workers wait at PAUSE
+        went_on = time.monotonic()
+        hooks.go()
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() - went_on < SECONDS:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in pids.values()), f"the orphaned ranks still run\n{proc.output()[-3000:]}"
+    finally:
+        proc.kill()
+    assert hooks.exits() == {0: 129, 1: 129}, (hooks.exits(), proc.output()[-3000:])
+    steps = [int(n) for n in re.findall(r"^stopped by SIGHUP \(its launcher is gone\) at step (\d+), where last.pt "
+                                        r"was saved", proc.output(), re.M)]
+    assert len(steps) == 1 and PAUSE < steps[0] <= NEXT_SAVE, proc.output()[-3000:]
+    assert set(hooks.steps().values()) == {steps[0]} and position(load(out / "last.pt"), STEPS_PER_EPOCH) == steps[0]
+    log = run("ddp_launch_train.py", *flags(2), "--resume", "auto", "--out-dir", out, launcher="torchrun",
+              nproc=2).stdout
+    assert f"resuming at step {steps[0]}" in log
+    assert max_diff(load(out / "last.pt")["model"], reference) == 0
+
+
+@pytest.mark.full
+def test_torchrun_signals_to_handle_passes_sigusr1_on_to_its_workers(tmp_path):
+    """docs/failures.md: `torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1` passes a SIGUSR1 sent
+    to torchrun alone on to its workers, which save at one step and exit 0."""
+    out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
+    cmd = torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,"
+                   "SIGUSR1", "ddp_launch_train.py", *flags(2), "--out-dir", out)
+    proc = start(tmp_path, cmd, hooks)
+    try:
+        pids = paused(proc, hooks, [0, 1])
+        os.kill(proc.pid, signal.SIGUSR1)
+        proc.until(lambda: all(hooks.handled(pid, signal.SIGUSR1) for pid in pids.values()), "SIGUSR1 passed on")
+        hooks.go()
+        proc.wait(expect=None)
+    finally:
+        proc.kill()
+    assert hooks.exits() == {0: 0, 1: 0}, (hooks.exits(), proc.output()[-3000:])
+    agreed_stop(proc.output(), signal.SIGUSR1, hooks, out, STEPS_PER_EPOCH, PAUSE, NEXT_SAVE)
 
 
 # ---- a job's stop: the signal to every process of the job (scancel and a preemption, timeout, docker stop, systemd;

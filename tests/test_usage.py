@@ -263,6 +263,18 @@ def test_resume_refuses_another_global_batch_and_max_steps_is_a_budget(tmp_path)
     assert (out / "last.pt").read_bytes() == done
 
 
+def test_a_run_of_one_step_logs_no_speed_it_did_not_measure(tmp_path):
+    """The speed is timed from the end of an epoch's first step: --max-steps 1 (and --log-every 1) measured none,
+    and the epoch's line, its log line and its row say none (not 0 samples/s)."""
+    out = tmp_path / "out"
+    p = run("ddp_launch_train.py", *TINY, "--max-steps", 1, "--log-every", 1, "--out-dir", out)
+    line = [line for line in p.stdout.splitlines() if line.startswith("epoch 0.125")]
+    assert len(line) == 1 and "samples/s" not in line[0] and line[0].endswith("lr 9.62e-03"), p.stdout
+    assert "samples_per_s" not in p.stdout, p.stdout  # the --log-every line
+    row = metrics(str(out))[-1]
+    assert (row["samples_per_s"], row["epoch_time_s"]) == (None, None), row
+
+
 def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
     """No lock on the folder (two live runs into one --out-dir are not refused): what is refused before anything is
     written is a fresh run where an earlier run's last.pt is

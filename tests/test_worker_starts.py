@@ -6,6 +6,7 @@ by the core's own path (common.Loader), as on every Python where workers.py does
 stop signal reaches the workers and the helpers of their start method too: the fork server, the resource tracker,
 and mp.spawn's parent's tracker, which its children use. (mp.spawn's children start their workers by spawn whatever
 the default: they are spawned, and spawn's set-up sets it.)"""
+import os
 import shutil
 import signal
 
@@ -47,3 +48,23 @@ def test_a_job_stop_saves_and_leaves_nothing_however_the_workers_start(launch, s
     hooks = Hooks(tmp_path, pause_at=PAUSE, start_method=method)
     stop_the_job(launch, sig, script, [], "job", hooks, images, unbroken_job, short_tmp, tmp_path, measured,
                  cwd=without_workers_py)
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("method", ["fork", pytest.param("forkserver", marks=pytest.mark.full),
+                                    pytest.param("spawn", marks=pytest.mark.full)])
+def test_a_job_under_a_tmpdir_too_deep_for_a_socket_trains_stops_and_leaves_nothing(method, images, unbroken_job,
+                                                                                   without_workers_py, short_tmp,
+                                                                                   tmp_path, measured):
+    """TMPDIR 60 Cyrillic letters deep (a socket's path in it would pass 107 bytes; clusters set such ones): the
+    workers' sockets go to one multiprocessing folder per trainer, made in /tmp, and the job test passes (one save,
+    nothing left in TMPDIR, a bit-exact resume); each trainer's folder is gone after it."""
+    deep = short_tmp / ("\u0434" * 60)
+    deep.mkdir()
+    assert len(os.fsencode(deep)) + len("/pymp-12345678/listener-12345678") > 107
+    hooks = Hooks(tmp_path, pause_at=PAUSE, start_method=method)
+    stop_the_job("torchrun", signal.SIGTERM, "ddp_launch_train.py", [], "job", hooks, images, unbroken_job, deep,
+                 tmp_path, measured, cwd=without_workers_py)
+    folders = hooks.ranks("mp-tempdir")
+    assert sorted(folders) == [0, 1] and all(f.startswith("/tmp/pymp-") for f in folders.values()), folders
+    assert not any(os.path.exists(f) for f in folders.values()), folders

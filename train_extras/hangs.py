@@ -1,7 +1,10 @@
-"""A collective that timed out names the ranks that never arrived (torch's error names neither
-the collective nor the rank): the scripts' `with common.extra("hangs").named(run)` uses this where
-the file is. Without it, every rank still ends, with torch's own timeout error and exit 3."""
+"""A collective that timed out names the ranks that never arrived, and one whose peer's process
+is gone (killed outright: its connection closed) names the ranks that are gone (torch's errors name
+neither the collective nor the rank): the scripts' `with common.extra("hangs").named(run)` uses
+this where the file is. Without it, every rank still ends, with torch's own error and exit 3."""
 import contextlib
+import os
+import socket
 import threading
 import time
 
@@ -14,20 +17,49 @@ import common
 def named(run):
     """Names the ranks that never arrived: each rank whose wait ran out marks itself in the store
     the ranks met on, waits for the others to, and reads which never did."""
+    where = [None] * run.world_size  # each rank's machine, node and process, for a lost peer
+    if run.world_size > 1:
+        node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", socket.gethostname()))
+        dist.all_gather_object(where, (socket.gethostname(), node, os.getpid()))
     try:
         yield
     except RuntimeError as e:
         why = str(e).lower().replace("timeout", "timed out")
-        if run.world_size == 1 or "timed out" not in why or "dataloader" in why:  # (a worker: no)
+        lost = common.peer_lost(why)  # a peer's process is gone (else: it stopped answering)
+        if run.world_size == 1 or not (lost or "timed out" in why) or "dataloader" in why \
+                or common.STOP.paused() or lost and common.STOP.agreed:  # (common.ending's)
             raise
+        what = "a peer's connection closed" if lost else "a collective timed out"
         arrived = within(10, lambda: mark_and_read(run))
-        if arrived is None:  # gone with rank 0, or frozen with it (launched by hand, or by srun)
-            raise common.Hang("a collective timed out, and the store does not answer: rank 0, "
-                              "whose process holds it, is gone or frozen", printer=None) from None
-        missing = ", ".join(str(r) for r in range(run.world_size) if r not in arrived)
+        # a rank of this machine whose process runs is not gone (it may wait on another that is
+        # still naming, or have been stopped by its own launcher); one elsewhere may be
+        here = socket.gethostname()
+        running = {r for r, (host, _, pid) in enumerate(where) if host == here and not gone(pid)}
+        if arrived is None and not (lost and set(range(run.world_size)) - running):
+            # gone with rank 0, or frozen with it (launched by hand, or by srun)
+            raise common.Hang(f"{what}, and the store does not answer: rank 0, whose process "
+                              "holds it, is gone or frozen", printer=None) from None
+        missing = [r for r in range(run.world_size) if r not in (arrived or [])
+                   and not (lost and r in running)]
         time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others read
-        raise common.Hang(f"a collective timed out: rank {missing} never arrived",
-                          printer=min(arrived)) from None
+        nodes = len({node for _, node, _ in where}) > 1
+        named = ", ".join(f"{r} (node {where[r][1]})" if nodes else str(r) for r in missing)
+        verb = ("is gone" if len(missing) == 1 else "are gone") if lost else "never arrived"
+        store = "" if arrived else ", and the store does not answer"  # (it went with them)
+        raise common.Hang(f"{what}{store}: rank{'s' * (len(missing) > 1)} {named} {verb}",
+                          printer=min(set(range(run.world_size)) - set(missing))) from None
+
+
+def gone(pid):
+    """Whether process `pid` of this machine has ended (a zombie, not yet reaped, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with contextlib.suppress(OSError):  # (no /proc: not Linux)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    return False
 
 
 def mark_and_read(run):

@@ -8,7 +8,10 @@ statistics mid-epoch, which FSDP leaves to differ), restored to each rank at the
     python -m train_extras.sharded runs/fsdp_train/ckpt-96 last.pt  # folder -> file
     python -m train_extras.sharded last.pt runs/fsdp_train/ckpt-96  # file -> folder
 
-The file loads with weights_only=True.
+The file loads with weights_only=True. Each folder holds the CRC-32 of each of its files
+(checksums.json), checked wherever it is read (a resume, the conversion): a folder whose bytes
+changed after its save is refused in one line. A folder saved without it (before this file wrote
+one) is read unchecked.
 """
 import argparse
 import gc
@@ -17,8 +20,10 @@ import re
 import shutil
 import sys
 import dataclasses
+import json
 import traceback
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -112,6 +117,13 @@ class Saver:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error from None
+        # each rank's files' CRCs (their bytes still in memory, as a rule), written by rank 0
+        mine = {n: checksum(os.path.join(tmp, n)) for n in os.listdir(tmp)
+                if n.startswith(f"__{self.rank}_") or self.rank == 0 and n == ".metadata"}
+        every = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, every)
+        common.on_rank0(lambda: write_checksums(tmp, {k: v for d in every for k, v in d.items()}),
+                        self.rank)  # a failed write stops every rank
         self.commit(tmp)
 
     def commit(self, tmp):
@@ -123,6 +135,51 @@ class Saver:
             os.replace(tmp, tmp[:-len(".tmp")])
             for old in folders(self.out_dir)[:-KEEP]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+CHECKSUMS = "checksums.json"
+
+
+def write_checksums(tmp, crcs):
+    """Rank 0: the folder's checksums, in it before it is renamed complete."""
+    try:
+        with open(os.path.join(tmp, CHECKSUMS), "w") as f:
+            json.dump(crcs, f)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise common.save_failed(tmp[:-len(".tmp")], e) from None
+
+
+def checksum(path):
+    """A file's CRC-32."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def damaged(path, only=None, rank=0, world_size=1):
+    """The files of folder `path` (those named `only`; this rank's share of them) whose bytes no
+    longer match their CRC at the save: [] where none, or where the folder holds no checksums."""
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        return [f"{CHECKSUMS} ({e})"]
+    names = [n for n in sorted(saved) if only is None or n in only][rank::world_size]
+    return [n for n in names if not os.path.isfile(os.path.join(path, n)) or
+            checksum(os.path.join(path, n)) != saved[n]]
+
+
+def refuse_damaged(path, found):
+    if found:
+        raise common.UsageError(f"{path} is damaged: {', '.join(found[:3])} no longer match"
+                                f"{'es' * (len(found) == 1)} the checksum saved with it (its "
+                                "bytes changed after the save: a bad copy, a disk, a network "
+                                "filesystem); give another checkpoint")
 
 
 def free_quietly(e):
@@ -169,6 +226,7 @@ def refuse_folder(path):
 def read(path, run):
     """Rank 0: a folder's metadata (all but the model and optimizer) with "sharded": its path,
     checked against this run as common.checkpoint_to_resume checks a last.pt."""
+    refuse_damaged(path, damaged(path, only=[".metadata"]))  # the rest on every rank, in load
     saved = metadata(path)
     # {flattened name: its path in the state dict, e.g. ("model", "fc1.weight")}
     names = saved.planner_data
@@ -200,6 +258,10 @@ def load(meta, run):
         raise common.UsageError(f"{meta['sharded']} is not there for rank(s) "
                                 f"{[r for r, s in enumerate(seen) if not s]}: a sharded checkpoint "
                                 "must be on a filesystem that every rank sees")
+    # its files checked, a share on each rank
+    found = [None] * run.world_size
+    dist.all_gather_object(found, damaged(meta["sharded"], None, run.rank, run.world_size))
+    refuse_damaged(meta["sharded"], sorted(sum(found, [])))
     # filled in place
     state = dict(zip(("model", "optimizer"), get_state_dict(run.raw_model, run.optimizer)))
     dcp.load(state, checkpoint_id=meta["sharded"])
@@ -216,6 +278,7 @@ def load(meta, run):
 def to_file(src, dst):
     """A folder as one last.pt (format_utils.dcp_to_torch_save), in this process, which must hold
     all of it."""
+    refuse_damaged(src, damaged(src))
     tmp, paths = f"{dst}.tmp{os.getpid()}", {p[:2] for p in metadata(src).planner_data.values()}
     try:
         dcp_to_torch_save(src, tmp)

@@ -26,4 +26,5 @@ def log(out_dir, row):
     from torch.utils.tensorboard import SummaryWriter
     with SummaryWriter(out_dir) as writer:
         for k in KEYS:
-            writer.add_scalar(k, row[k], row["step"])
+            if row[k] is not None:  # (no validation set; no step timed)
+                writer.add_scalar(k, row[k], row["step"])

@@ -53,6 +53,8 @@ def _install():
                 _mark(f"group-threads-rank{_trained_as[0]}", f"{len(alive)} {len(threads)}")
             if _trained_as:
                 _mark(f"exit-rank{_trained_as[0]}", str(code))
+                mp = sys.modules.get("multiprocessing")  # its temporary folder (pymp-*), if it made one
+                _mark(f"mp-tempdir-rank{_trained_as[0]}", mp and mp.current_process()._config.get("tempdir") or "")
             exit(code)
         return marked
     sys.exit, os._exit = _marking_exit(sys.exit), _marking_exit(os._exit)
@@ -77,7 +79,9 @@ def _install():
             return group
         dist.init_process_group = _noting_threads
 
-    _pause_at, _step_s = int(os.environ.get("TEST_PAUSE_AT", "0")), float(os.environ.get("TEST_STEP_S", "0"))
+    # TEST_PAUSE_AT: a step (every rank pauses there), or "rank:step" (that rank alone)
+    _pause_rank, _, _pause_at = os.environ.get("TEST_PAUSE_AT", "0").rpartition(":")
+    _pause_at, _step_s = int(_pause_at), float(os.environ.get("TEST_STEP_S", "0"))
     _hang_at = tuple(map(int, os.environ["TEST_HANG_AT"].split(":"))) if os.environ.get("TEST_HANG_AT") else None
     _steps = [0]
 
@@ -86,7 +90,7 @@ def _install():
         rank = _rank()
         _trained_as[:] = [rank]
         _mark(f"steps-rank{rank}", str(_steps[0]))
-        if _steps[0] == _pause_at:
+        if _steps[0] == _pause_at and _pause_rank in ("", str(rank)):
             _mark(f"paused-rank{rank}", str(os.getpid()))
             _wait_for_go("pause")
         if (rank, _steps[0]) == _hang_at:
