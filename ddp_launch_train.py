@@ -9,7 +9,6 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; srun sets SLURM
 SLURM_STEP_NUM_TASKS and SLURM_LOCALID. Each process trains on its shard of every global batch; DDP
 averages the gradients.
 """
-import argparse
 import contextlib
 import datetime
 import os
@@ -25,21 +24,24 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+import failsafe
 
 
 def setup_distributed(args):
     """Finds this process's rank and device, then joins the process group: every rank, before all
     else."""
-    # from the launcher's environment (torchrun, srun, mpirun, by hand), never a --local-rank flag
+    # from the launcher's environment (torchrun, by hand; srun, mpirun: train_extras/launchers.py),
+    # never a --local-rank flag
     rank, world_size, local_rank, local_world_size, launcher = common.launcher_env()
-    backend = common.pick_backend(args)  # the device's: nccl on GPUs, gloo on the CPU
+    # the device's (nccl on GPUs: "cuda:nccl,cpu:gloo", gloo for the CPU's object collectives)
+    backend = common.pick_backend(args)
     if args.sync_bn and args.device == "cpu":
-        raise common.UsageError("--sync-bn needs a GPU: "
-                                "SyncBatchNorm's forward accepts no CPU tensors")
+        raise failsafe.UsageError("--sync-bn needs a GPU: "
+                                  "SyncBatchNorm's forward accepts no CPU tensors")
     device = common.local_device(args.device, local_rank)  # made current: NCCL and friends use it
     common.set_threads_and_math(local_world_size, args.deterministic)
-    # the ranks join within --step-timeout (a launch mistake: one line then), then have 10 minutes
-    # for the start-up (data, downloads), then --step-timeout again
+    # the ranks join within --step-timeout (a launch mistake: one line then); failsafe.joining then
+    # gives the start-up (data, downloads) 10 minutes; from the first step on, --step-timeout again
     timeout, env = datetime.timedelta(seconds=args.step_timeout), os.environ
     store = None  # env://: rank 0's store (or torchrun's) at MASTER_ADDR:MASTER_PORT
     if world_size == 1:  # a lone process: no network, whatever MASTER_ADDR says
@@ -48,13 +50,10 @@ def setup_distributed(args):
             int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:  # torchrun --max-restarts
         store = common.optional("restart", "torchrun --max-restarts").torchrun_store(
             rank, world_size, timeout)  # each attempt meets under a key prefix of its own
-    elif env["MASTER_PORT"] == "0":  # torchrun's own store is on a port the OS picked
-        raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
-                                "give a free port, or --standalone")
-    with common.joining(args.step_timeout):  # past it, one line (a launch mistake)
+    with failsafe.joining(args.step_timeout):  # past it, one line (a launch mistake)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
-        common.same_flags(args)  # one run: no rank trains with other flags than rank 0's
+        failsafe.same_flags(args)  # one run: no rank trains with other flags than rank 0's
     return common.Run(args=args, rank=rank, world_size=world_size, local_rank=local_rank,
                       device=device, launcher=launcher or "python")
 
@@ -72,8 +71,8 @@ def build_data(run):
                                      seed=args.seed, drop_last=True)
     run.steps_per_epoch = len(run.sampler) // (args.batch_size * args.grad_accum)
     if run.steps_per_epoch == 0:
-        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global "
-                                f"batch ({args.batch_size * args.grad_accum * run.world_size})")
+        raise failsafe.UsageError(f"{len(run.train_set)} training samples are less than one global "
+                                  f"batch ({args.batch_size * args.grad_accum * run.world_size})")
     val_batches = list(BatchSampler(range(run.rank, len(val_set), run.world_size),
                                     args.batch_size, False))
     run.val_loader = common.make_loader(val_set, val_batches, run)  # no padding duplicates
@@ -103,8 +102,8 @@ def resume(run):
     """Loads the checkpoint that rank 0 reads and checks, sent to the others (no shared filesystem
     needed); returns the position it saved, or None for a fresh start."""
     ckpt = common.on_rank0(lambda: common.checkpoint_to_resume(run), run.rank)
-    # an optimizer state without tensors (SGD without momentum) travels with the rest: torch's
-    # broadcast fails on it
+    # all but the tensors travel as one object; an optimizer state that holds no tensor (SGD
+    # without momentum) travels with them: torch's broadcast of state dicts fails on it
     meta = [{k: v for k, v in ckpt.items() if k != "model" and (k != "optimizer" or not v["state"])}
             if ckpt else None]
     dist.broadcast_object_list(meta, src=0)
@@ -116,9 +115,10 @@ def resume(run):
         if run.rank == 0:
             model_state, optimizer_state = ckpt["model"], ckpt["optimizer"]
         set_model_state_dict(run.raw_model, model_state, options=options)
-        whole = meta[0].get("optimizer")  # on every rank already, and no tensor to send or to shard
-        if whole:
-            set_optimizer_state_dict(run.raw_model, run.optimizer, whole)
+        # an optimizer state that holds no tensor came with the meta, on every rank already
+        tensorless = meta[0].get("optimizer")
+        if tensorless:
+            set_optimizer_state_dict(run.raw_model, run.optimizer, tensorless)
         else:
             set_optimizer_state_dict(run.raw_model, run.optimizer, optimizer_state, options=options)
         run.scheduler.load_state_dict(meta[0]["scheduler"])
@@ -135,7 +135,7 @@ def train_step(run, x, y):
         # no_sync: accumulate locally; all-reduce only once, with the step's last micro-batch
         with run.model.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             loss = F.cross_entropy(run.model(xm), ym) / accum
-            loss.backward()  # DDP averages the gradients over ranks here, overlapping the backward
+            loss.backward()  # the last micro-batch's: DDP's all-reduce overlaps it
         step_loss += loss.detach()
     norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.args.clip_grad) \
         if run.args.clip_grad else None
@@ -147,7 +147,8 @@ def train_step(run, x, y):
 
 def train_one_epoch(run, epoch):
     """Trains one pass over this rank's part of the data (what is left of it, when resumed
-    mid-epoch); returns the mean loss and gradient norm over its steps and the ranks."""
+    mid-epoch); returns the mean loss and gradient norm over the epoch's steps (a resumed epoch's
+    saved part included) and the ranks."""
     args, position = run.args, run.position
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
@@ -159,21 +160,26 @@ def train_one_epoch(run, epoch):
     loader = common.make_loader(run.train_set, batches[position.step_in_epoch:], run)
     run.raw_model.train()
     for x, y in loader:
-        if position.step == position.start_step + 1:  # all ranks passed their start-up (step 1's
-            common.set_timeout(args.step_timeout)  # check): --step-timeout from here on
+        # every rank has passed its start-up (its first step, whose check is a collective): from
+        # here on a collective waits --step-timeout at most
+        if position.step == position.start_step + 1:
+            failsafe.set_timeout(args.step_timeout)
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
+        # in this order: the step counted (the epoch's end, a save due); then, at a check (every
+        # --log-every steps or about 2 s, a save, the last step: one collective), every rank learns
+        # of a NaN/inf loss on any rank (it ends the run here: NanLoss) or a stop signal; then the
+        # bar, and rank 0's line every --log-every steps
         position.step_done(loss, norm)
-        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         run.agreement.step_done(loss)
-        run.output.step_done(loss)  # rank 0's bar, and its line every --log-every steps
-        if position.last:  # the epoch's end, or --max-steps: the caller saves
+        run.progress.step_done(loss)
+        if position.last:  # the epoch's end, or --max-steps: the caller saves (a stop then too)
             break
         # a stop the ranks agreed on: saved at this step, where the run ends (the save's last step,
         # common.write_and_end_if_stopped); --resume auto goes on from it
-        if position.save_due or common.STOP.agreed:
+        if position.save_due or failsafe.STOP.agreed:
             save(run)
-    run.output.end_epoch()
+    run.progress.end_epoch()
     return mean_over_ranks(position.sums) / position.step_in_epoch
 
 
@@ -185,8 +191,8 @@ def mean_over_ranks(t):
 
 @torch.no_grad()
 def evaluate(run):
-    """Returns loss and accuracy on the validation set: each rank sums its shard, then
-    all-reduce."""
+    """Returns the validation figures (loss, accuracy, count): each rank sums its shard of the
+    unwrapped model's outputs (no DDP, no compile), then all-reduce."""
     run.raw_model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for x, y in run.val_loader:
@@ -200,8 +206,8 @@ def evaluate(run):
 
 
 def save(run):
-    """Saves: every rank joins (the state dicts may gather, the sums are averaged); rank 0 writes
-    the training state to last.pt: plain names, whole tensors, every rank's random generators. It
+    """Saves: every rank joins (the sums are averaged, the random generators gathered); rank 0
+    writes the training state to last.pt: plain names, whole tensors, every rank's generators. It
     loads in any script, at any number of processes, with or without a GPU, and into a plain model
     with weights_only=True."""
     sums = mean_over_ranks(run.position.sums).tolist()
@@ -222,7 +228,7 @@ def evaluate_and_log(run):
     came during the evaluation ends the run after it (common.log_and_end_if_stopped): the epoch was
     saved before it."""
     t1 = time.time()
-    row = {**run.position.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    row = {**run.position.pending_row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.log_and_end_if_stopped(run, row)
 
 
@@ -240,15 +246,15 @@ def main(args):
     master = run.rank == 0  # only rank 0 prints and writes files
     run.out_dir = args.out_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(__file__))[0])
-    common.on_rank0(lambda: common.check_out_dir(run), run.rank)  # a used one: refused now
+    common.on_rank0(lambda: failsafe.check_out_dir(run), run.rank)  # a used one: refused now
     run.global_batch = args.batch_size * args.grad_accum * run.world_size
     build_data(run)
     build_model(run)
     saved = resume(run)
     run.position = position = common.Position(run, saved)  # where training stands
-    run.agreement, run.output = common.Agreement(run), common.Output(run)
+    run.agreement, run.progress = failsafe.Agreement(run), common.Progress(run)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if position.step >= end and not position.row:  # a resume may find the run done
+    if position.step >= end and not position.pending_row:  # a resume may find the run done
         if master:
             print(f"already at step {position.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
@@ -259,24 +265,25 @@ def main(args):
     if master:
         announce(run)
     with common.extra("hangs").named(run):  # a rank that stops answering: named
-        if position.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+        # an epoch saved at its end, then stopped before its evaluation: that first
+        if position.pending_row:
             evaluate_and_log(run)
-        common.STOP.catch()  # from here on, a stop signal saves and stops every rank at one step
+        failsafe.STOP.catch()  # from here on, a stop signal saves and stops every rank at one step
         for epoch in range(position.epoch, args.epochs):
             if position.step >= end:  # --max-steps
                 break
             position.start_epoch(epoch)
-            run.output.start_epoch()
+            run.progress.start_epoch()
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # after training, ranks hold different BatchNorm running statistics: give everyone
             # rank 0's (the saved ones)
             for buffer in run.raw_model.buffers():
                 dist.broadcast(buffer, src=0)
-            position.row = run.output.epoch_row(train_loss=train_loss, world_size=run.world_size,
-                                                grad_norm=grad_norm if args.clip_grad else None)
+            position.pending_row = run.progress.epoch_row(
+                train_loss=train_loss, world_size=run.world_size,
+                grad_norm=grad_norm if args.clip_grad else None)
             save(run)  # before the evaluation: a stop during it loses no training
             evaluate_and_log(run)
-
 
 
 if __name__ == "__main__":
@@ -288,8 +295,4 @@ if __name__ == "__main__":
     parser.add_argument("--find-unused-parameters", action="store_true",
                         help="a model that does not use every parameter in every step "
                              "(else DDP fails at step 2: 'Expected to have finished reduction')")
-    # the deprecated `python -m torch.distributed.launch` (without --use-env) adds --local-rank=N
-    # before the script's own arguments: accepted, not listed, and ignored; the rank comes from
-    # LOCAL_RANK, which it also sets
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    common.run_and_exit(main, parser.parse_args)
+    failsafe.run_and_exit(main, parser.parse_args)

@@ -22,6 +22,7 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import common
+import failsafe
 
 
 class ModelWithLoss(nn.Module):
@@ -55,19 +56,20 @@ def setup_devices(args):
     try:
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(visible))
     except ValueError:
-        raise common.UsageError(f"--gpus {args.gpus}: give GPU numbers such as 0,1") from None
+        raise failsafe.UsageError(f"--gpus {args.gpus}: give GPU numbers such as 0,1") from None
     if args.gpus and not use_cuda:
-        raise common.UsageError(f"--gpus {args.gpus}: no CUDA GPU is visible{shown}, "
-                                f"or --device {args.device}")
+        raise failsafe.UsageError(f"--gpus {args.gpus}: no CUDA GPU is visible{shown}, "
+                                  f"or --device {args.device}")
     if not all(0 <= g < visible for g in gpus):
-        raise common.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered "
-                                f"0 to {visible - 1}")
+        raise failsafe.UsageError(f"--gpus {args.gpus}: the visible GPUs{shown} are numbered "
+                                  f"0 to {visible - 1}")
     if use_cuda and (args.output_device or 0) not in range(visible):
-        raise common.UsageError(f"--output-device {args.output_device} is not a visible GPU{shown}")
+        raise failsafe.UsageError(f"--output-device {args.output_device} is not a visible "
+                                  f"GPU{shown}")
     # its replicas would call the first GPU's compiled module, with its parameters
     if args.compile and len(gpus) > 1:
-        raise common.UsageError("--compile with DataParallel on several GPUs: give one (--gpus 0), "
-                                "or use ddp_launch_train.py --compile, one process per GPU")
+        raise failsafe.UsageError("--compile with DataParallel on several GPUs: give one (--gpus "
+                                  "0), or use ddp_launch_train.py --compile, one process per GPU")
     # parameters live on the first GPU (copied to the others at every step), or on the one
     # device there is
     device = torch.device("cuda", gpus[0]) if use_cuda else common.local_device(args.device, 0)
@@ -89,8 +91,8 @@ def build_data(run):  # [dp]
                                      drop_last=True)
     run.steps_per_epoch = len(run.sampler) // run.global_batch
     if run.steps_per_epoch == 0:
-        raise common.UsageError(f"{len(run.train_set)} training samples are less than one global "
-                                f"batch ({run.global_batch})")
+        raise failsafe.UsageError(f"{len(run.train_set)} training samples are less than one global "
+                                  f"batch ({run.global_batch})")
     val_batches = list(BatchSampler(range(len(val_set)),
                                     args.batch_size * max(1, len(run.gpus)), False))
     run.val_loader = common.make_loader(val_set, val_batches, run)
@@ -152,7 +154,8 @@ def train_step(run, x, y):
 
 def train_one_epoch(run, epoch):
     """Trains one pass over this rank's part of the data (what is left of it, when resumed
-    mid-epoch); returns the mean loss and gradient norm over its steps and the ranks."""
+    mid-epoch); returns the mean loss and gradient norm over the epoch's steps (a resumed epoch's
+    saved part included) and the ranks."""
     args, position = run.args, run.position
     # set_epoch reshuffles: the same new order on every rank. Forget it and every epoch repeats
     # epoch 0's order
@@ -166,20 +169,23 @@ def train_one_epoch(run, epoch):
     run.raw_model.train()
     for x, y in loader:
         if position.step == position.start_step + 1:  # as in the DDP scripts; here a no-op:
-            common.set_timeout(args.step_timeout)  # one process, no collective to wait on
+            failsafe.set_timeout(args.step_timeout)  # one process, no collective to wait on
         x, y = common.to_device(run, run.train_set, x, y)
         loss, norm = train_step(run, x, y)
+        # in this order: the step counted (the epoch's end, a save due); then, at a check (every
+        # --log-every steps or about 2 s, a save, the last step: one collective), every rank learns
+        # of a NaN/inf loss on any rank (it ends the run here: NanLoss) or a stop signal; then the
+        # bar, and rank 0's line every --log-every steps
         position.step_done(loss, norm)
-        # every rank learns of a NaN/inf loss or a stop signal on any rank, at the same step
         run.agreement.step_done(loss)
-        run.output.step_done(loss)  # rank 0's bar, and its line every --log-every steps
-        if position.last:  # the epoch's end, or --max-steps: the caller saves
+        run.progress.step_done(loss)
+        if position.last:  # the epoch's end, or --max-steps: the caller saves (a stop then too)
             break
         # a stop the ranks agreed on: saved at this step, where the run ends (the save's last step,
         # common.write_and_end_if_stopped); --resume auto goes on from it
-        if position.save_due or common.STOP.agreed:
+        if position.save_due or failsafe.STOP.agreed:
             save(run)
-    run.output.end_epoch()
+    run.progress.end_epoch()
     return mean_over_ranks(position.sums) / position.step_in_epoch
 
 
@@ -192,7 +198,7 @@ def evaluate(run):  # [dp]
     """Returns loss and accuracy over the validation set, every batch split over the GPUs."""
     run.raw_model.eval()
     # loss sum, correct, count (MPS: float32)
-    totals = torch.zeros(3, dtype=run.position.exact, device=run.device)
+    totals = torch.zeros(3, dtype=run.position.sums_dtype, device=run.device)
     for x, y in run.val_loader:
         x, y = common.to_device(run, run.val_loader.dataset, x, y)
         loss_sums, correct = run.model(x, y)  # one of each per GPU
@@ -221,7 +227,7 @@ def evaluate_and_log(run):
     came during the evaluation ends the run after it (common.log_and_end_if_stopped): the epoch was
     saved before it."""
     t1 = time.time()
-    row = {**run.position.row, **evaluate(run), "eval_time_s": time.time() - t1}
+    row = {**run.position.pending_row, **evaluate(run), "eval_time_s": time.time() - t1}
     common.log_and_end_if_stopped(run, row)
 
 
@@ -238,16 +244,16 @@ def main(args):
     master = run.rank == 0  # one process: it prints and writes files
     run.out_dir = args.out_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(__file__))[0])
-    common.on_rank0(lambda: common.check_out_dir(run), run.rank)  # a used one: refused now
+    common.on_rank0(lambda: failsafe.check_out_dir(run), run.rank)  # a used one: refused now
     run.global_batch = (args.batch_size * args.grad_accum  # [dp] --batch-size: per GPU
                         * max(1, len(run.gpus)))
     build_data(run)
     build_model(run)
     saved = resume(run)
     run.position = position = common.Position(run, saved)  # where training stands
-    run.agreement, run.output = common.Agreement(run), common.Output(run)
+    run.agreement, run.progress = failsafe.Agreement(run), common.Progress(run)
     end = min(args.epochs * run.steps_per_epoch, args.max_steps or float("inf"))
-    if position.step >= end and not position.row:  # a resume may find the run done
+    if position.step >= end and not position.pending_row:  # a resume may find the run done
         if master:
             print(f"already at step {position.step} of {end} (--epochs {args.epochs}, "
                   f"--max-steps {args.max_steps}): nothing to train")
@@ -258,22 +264,22 @@ def main(args):
     if master:
         announce(run)
     with common.extra("hangs").named(run):  # a rank that stops answering: named
-        if position.row:  # saved at its epoch's end, then stopped before the evaluation: that first
+        # an epoch saved at its end, then stopped before its evaluation: that first
+        if position.pending_row:
             evaluate_and_log(run)
-        common.STOP.catch()  # from here on, a stop signal saves and stops every rank at one step
+        failsafe.STOP.catch()  # from here on, a stop signal saves and stops every rank at one step
         for epoch in range(position.epoch, args.epochs):
             if position.step >= end:  # --max-steps
                 break
             position.start_epoch(epoch)
-            run.output.start_epoch()
+            run.progress.start_epoch()
             train_loss, grad_norm = train_one_epoch(run, epoch).tolist()
             # [dp] one process holds the model's only copy: no BatchNorm statistics to broadcast
-            position.row = run.output.epoch_row(  # [dp]
+            position.pending_row = run.progress.epoch_row(  # [dp]
                 train_loss=train_loss, world_size=run.world_size, gpus=run.gpus,
                 grad_norm=grad_norm if args.clip_grad else None)
             save(run)  # before the evaluation: a stop during it loses no training
             evaluate_and_log(run)
-
 
 
 if __name__ == "__main__":
@@ -288,4 +294,4 @@ if __name__ == "__main__":
     parser.add_argument("--gather-outputs", action="store_true",
                         help="the classic way: loss on one GPU")  # [dp]
     # [dp] one process, no process group: no --backend, --sync-bn or launcher's --local-rank
-    common.run_and_exit(main, parser.parse_args)
+    failsafe.run_and_exit(main, parser.parse_args)

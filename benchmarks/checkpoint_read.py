@@ -1,4 +1,4 @@
-"""What checking a last.pt's bytes costs as it is read: common.refuse_damaged (every record read back against the
+"""What checking a last.pt's bytes costs as it is read: failsafe.refuse_unreadable (every record read back against the
 CRC-32 that torch wrote) against torch.load itself, both on the same file, in the page cache (as right after a save,
 or after a first read), and for a resnet50 as the scripts save it (its weights and SGD's momentum).
 
@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 
 import common  # noqa: E402
+import failsafe  # noqa: E402
 
 
 def timed(fn, repeats):
@@ -44,11 +45,11 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "last.pt")
         common.save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-        check = timed(lambda: common.refuse_damaged(path), args.repeats)
+        check = timed(lambda: failsafe.refuse_unreadable(path), args.repeats)
         load = timed(lambda: torch.load(path, map_location="cpu", weights_only=True), args.repeats)
         print(f"{args.model}: last.pt of {os.path.getsize(path) / 2**20:.0f} MiB, {args.repeats} repeats "
               "(min, median, max s)")
-        print(f"common.refuse_damaged: {check[0]:.3f}, {check[1]:.3f}, {check[2]:.3f}")
+        print(f"failsafe.refuse_unreadable: {check[0]:.3f}, {check[1]:.3f}, {check[2]:.3f}")
         print(f"torch.load:            {load[0]:.3f}, {load[1]:.3f}, {load[2]:.3f}")
 
 

@@ -32,9 +32,9 @@ def write_images(root, per_class=24, size=8):
 
 
 def copy_project(folder, with_workers):
-    """fsdp_train.py, common.py and the train_extras/ modules an ImageFolder run needs."""
+    """fsdp_train.py, common.py, failsafe.py and the train_extras/ modules an ImageFolder run needs."""
     os.makedirs(os.path.join(folder, "train_extras"))
-    for name in ("fsdp_train.py", "common.py"):
+    for name in ("fsdp_train.py", "common.py", "failsafe.py"):
         shutil.copy(os.path.join(ROOT, name), folder)
     for name in ("__init__", "datasets", "models") + (("workers",) if with_workers else ()):
         shutil.copy(os.path.join(ROOT, "train_extras", f"{name}.py"), os.path.join(folder, "train_extras"))

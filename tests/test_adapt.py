@@ -60,11 +60,13 @@ def readme_edits():
 
 
 def adapted_copy(folder, my_project, extras=()):
-    """ddp_launch_train.py and common.py in `folder`, changed as the README says, with `my_project` beside them;
-    and the train_extras/ modules named in `extras`, copied as the README says (with its __init__.py)."""
+    """ddp_launch_train.py, common.py and failsafe.py in `folder`, the script changed as the README says, with
+    `my_project` beside them; and the train_extras/ modules named in `extras`, copied as the README says (with its
+    __init__.py)."""
     edits = readme_edits()
     assert 3 <= len(edits) <= 4, edits
-    shutil.copy(os.path.join(ROOT, "common.py"), folder)
+    for name in ("common.py", "failsafe.py"):
+        shutil.copy(os.path.join(ROOT, name), folder)
     script = open(os.path.join(ROOT, "ddp_launch_train.py")).read()
     for old, new in edits:
         old, new = old.rstrip(), new.rstrip()
@@ -162,7 +164,7 @@ def test_the_epoch_time_holds_the_waits_for_data_and_the_steps(tmp_path):
         "--out-dir", out, env={"SPENT_FILE": str(spent)})
     row, dataset_s = metrics(str(out))[0], float(spent.read_text())
     assert row["step"] == 30 and dataset_s >= 30 * 0.05, (row, dataset_s)
-    # from the end of step 1 (common.Output): 29 batches and 29 steps of at least 0.05 s each
+    # from the end of step 1 (common.Progress): 29 batches and 29 steps of at least 0.05 s each
     assert row["epoch_time_s"] >= 29 * (0.05 + 0.05), row
     assert row["samples_per_s"] == pytest.approx(29 * 8 / row["epoch_time_s"], rel=1e-6), row
 
@@ -193,10 +195,10 @@ def test_dataloader_workers_start_from_a_fork_server_where_train_extras_workers_
 @pytest.mark.workers
 @pytest.mark.full
 def test_a_trainer_killed_outright_leaves_no_worker_behind(tmp_path):
-    """SIGKILL (the OOM killer's) to a process paused at step 3 with its 2 DataLoader workers alive, started from a
-    fork server (train_extras/workers.py's on Python 3.11.9 and older; multiprocessing's own, the default, on 3.14):
-    the server ends with it, and the workers with the server, within seconds; nothing of the run is left holding
-    memory or its output. (Without common.deaf letting go of the server's pipe in each worker, they would all wait for
+    """SIGKILL (the OOM killer's) to a process paused at step 3 with its 2 DataLoader workers alive, started from a fork
+    server (train_extras/workers.py's on Python 3.11.9 and older; multiprocessing's own, the default, on 3.14): the
+    server ends with it, and the workers with the server, within seconds; nothing of the run is left holding memory or
+    its output. (Without failsafe.init_worker letting go of the server's pipe in each worker, they would all wait for
     each other forever.) A real interpreter: its processes are found by the environment they were started with."""
     hooks = Hooks(tmp_path, pause_at=3)
     cmd = [sys.executable, adapted_copy(tmp_path, MY_PROJECT, extras=["workers"]), "--epochs", 1, "--batch-size", 16,

@@ -218,5 +218,5 @@ def test_checkpoint_read_benchmark_times_the_check_and_the_load():
                  "--repeats", 2], timeout=300)
     assert p.returncode == 0, p.stderr
     assert re.search(r"^resnet18: last\.pt of \d+ MiB, 2 repeats", p.stdout, re.M), p.stdout
-    for what in ("common.refuse_damaged:", "torch.load:"):
+    for what in ("failsafe.refuse_unreadable:", "torch.load:"):
         assert re.search(rf"^{re.escape(what)} +[\d.]+, [\d.]+, [\d.]+$", p.stdout, re.M), p.stdout

@@ -16,36 +16,17 @@ import pytest
 
 from processes import ROOT, command
 
-# Set by "The core in the order a run meets it" at 6,200 for common.py, 8,600 a script with it and 9,400 for
-# fsdp_train.py's, the code of its day (6,122; 8,042 to 8,483; 9,289) with a little room. Raised in the same stop, in
-# the open, to what three issues' guarantees cost, which no reordering took back (common.py's tokens each added):
-# - "Every Python a user has", +327: DataLoader workers and the helpers of every start method start deaf to
-#   stop signals (Loader, stop_signals_blocked, start_resource_tracker), each worker lets go of a fork server's pipe
-#   (deaf), the trainer ends the fork server and removes multiprocessing's temporary folder as it leaves
-#   (end_fork_server, mp_temp_dir): Python 3.14's default start method lost the save, or left processes, without them;
-# - "Tried as a new user would", +132: an earlier run's metrics.jsonl without its checkpoint is refused
-#   (check_out_dir), launcher variables left in the shell are named once a machine (Parser.parse_args), a dict sample
-#   is one line (to_device);
-# - "The core in the order a run meets it" itself, +270: Progress's jobs split into Position, Agreement and Output
-#   (each reads the run: no field copied), the stop one object (Stop), the endings decided in one place (ending), the
-#   exit one named step (leave), an extra's name checked (extra).
-# common.py: 6,851 then. The scripts grew by their calls to those (a step each in the loop, the folder taken over in
-# main). Raised again by 70, once more for "Every Python a user has" (+68, its leg's first run in CI): the resource
-# tracker starts in a session of its own (start_resource_tracker, spawn_in_own_session), whichever way the workers
-# start; on Python 3.14 torchrun's SIGKILL of a frozen rank's group killed it too, and 14 of the rank's semaphores
-# stayed in /dev/shm.
-# Raised by 910 for "The newest Python, and what a new user met" (common.py 6,929 -> 7,848 tokens; each script 8 to
-# 20 fewer, but ddp_spawn_train.py's 17 more): a metrics.jsonl's every line kept or refused (rows), an empty
-# validation set logged without figures (validation_row, log_epoch), no speed where none was measured, a checkpoint's
-# CRCs checked (refuse_damaged), the ranks' joining bounded with one line (joining, joining_failed), a lost peer and a
-# job's pause told apart from a hang (peer_lost, Stop.paused), workers whose launcher is gone stopped (Stop.poll),
-# Ctrl-C named under mp.spawn (Stop.named), DataLoader workers' sockets where a deep TMPDIR would not hold them
-# (sockets_folder), the conversion named for fsdp_train.py's folders (how_to_continue). "A tiny common.py" sets the
-# split's limits next.
-CORE_TOKENS = 7_860  # common.py
-PAIR_TOKENS = {"dp_train.py": 10_300, "ddp_launch_train.py": 10_300, "ddp_spawn_train.py": 10_300,
-               "ddp_amp_train.py": 10_300, "fsdp_train.py": 11_010}  # a script plus common.py
-DOCSTRINGS = 4_805  # common.py's docstrings, in characters (ast.get_docstring): what they held before a cut
+# Set by "A tiny common.py": what a copier reads to adapt a model and data, common.py, at most 560 lines and 4,000 code
+# tokens; each script with it 6,500 (fsdp_train.py 7,200); and what a copier carries, common.py with failsafe.py (what
+# a run does because it may stop or fail), 7,500, so that moving code out of common.py is never a free way around the
+# budget. Measured at the split: common.py 3,922 tokens and 559 lines, failsafe.py 3,572, the scripts 1,893 to 3,118
+# (before it, common.py alone held 7,848 tokens and 1,210 lines). Raising a limit is for an issue to decide.
+CORE_TOKENS, CORE_LINES = 4_000, 560  # common.py
+PAIR_TOKENS = {"dp_train.py": 6_500, "ddp_launch_train.py": 6_500, "ddp_spawn_train.py": 6_500,
+               "ddp_amp_train.py": 6_500, "fsdp_train.py": 7_200}  # a script plus common.py
+CARRIED = ("common.py", "failsafe.py")  # what a copier carries beside a script
+CARRIED_TOKENS = 7_500
+DOCSTRINGS = 4_805  # the carried files' docstrings, in characters (ast.get_docstring): what they held before a cut
 COLUMNS = 100  # in what a copier reads: common.py, the scripts, train_extras/
 SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 
@@ -58,7 +39,7 @@ def read(root, name):
 def copied_files(root):
     extras = sorted(f"train_extras/{n}" for n in os.listdir(os.path.join(root, "train_extras"))
                     if n.endswith(".py"))
-    return ["common.py", *PAIR_TOKENS, *extras]
+    return [*CARRIED, *PAIR_TOKENS, *extras]
 
 
 # Python 3.12 and later split an f-string into its parts (3.14 a t-string too): counted as one token, as 3.11 gives it,
@@ -95,15 +76,20 @@ def docstring_chars(source):
 
 def over_budget(root):
     """Every limit that the tree at `root` exceeds, one line each (none: within budget)."""
-    core = code_tokens(read(root, "common.py"))
+    core, lines = code_tokens(read(root, "common.py")), len(read(root, "common.py").splitlines())
     problems = [f"common.py: {core} code tokens, over {CORE_TOKENS}"] if core > CORE_TOKENS else []
+    if lines > CORE_LINES:
+        problems.append(f"common.py: {lines} lines, over {CORE_LINES}")
     for script, limit in PAIR_TOKENS.items():
         pair = code_tokens(read(root, script)) + core
         if pair > limit:
             problems.append(f"{script} + common.py: {pair} code tokens, over {limit}")
-    chars = docstring_chars(read(root, "common.py"))
+    carried = sum(code_tokens(read(root, name)) for name in CARRIED)
+    if carried > CARRIED_TOKENS:
+        problems.append(f"{' + '.join(CARRIED)}: {carried} code tokens, over {CARRIED_TOKENS}")
+    chars = sum(docstring_chars(read(root, name)) for name in CARRIED)
     if chars < DOCSTRINGS:
-        problems.append(f"common.py: {chars} characters of docstrings, under {DOCSTRINGS}")
+        problems.append(f"{' + '.join(CARRIED)}: {chars} characters of docstrings, under {DOCSTRINGS}")
     problems += [f"{name}:{i}: {len(line)} columns, over {COLUMNS}"
                  for name in copied_files(root)
                  for i, line in enumerate(read(root, name).splitlines(), 1)
@@ -114,20 +100,25 @@ def over_budget(root):
 def test_the_core_and_each_script_with_it_are_within_their_budget():
     source = read(ROOT, "common.py")
     core = code_tokens(source)
-    print(f"\ncommon.py: {core} code tokens (at most {CORE_TOKENS}), {docstring_chars(source)} characters of "
-          f"docstrings (at least {DOCSTRINGS}), {len(source.splitlines())} lines")
+    print(f"\ncommon.py: {core} code tokens (at most {CORE_TOKENS}), {len(source.splitlines())} lines (at most "
+          f"{CORE_LINES})")
+    for name in CARRIED[1:]:
+        print(f"{name}: {code_tokens(read(ROOT, name))} code tokens, {len(read(ROOT, name).splitlines())} lines")
+    print(f"carried ({' + '.join(CARRIED)}): {sum(code_tokens(read(ROOT, n)) for n in CARRIED)} code tokens (at most "
+          f"{CARRIED_TOKENS}), {sum(docstring_chars(read(ROOT, n)) for n in CARRIED)} characters of docstrings (at "
+          f"least {DOCSTRINGS})")
     for script, limit in PAIR_TOKENS.items():
         print(f"{script}: {code_tokens(read(ROOT, script))} code tokens; with common.py "
               f"{code_tokens(read(ROOT, script)) + core} (at most {limit})")
     assert over_budget(ROOT) == []
 
 
-def copy_of(tmp_path, common_py):
-    """A copy of what a copier reads, with `common_py` as its common.py."""
-    for name in copied_files(ROOT):
-        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
-        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
-    (tmp_path / "common.py").write_text(common_py, encoding="utf-8")
+def copy_of(tmp_path, common_py, name="common.py"):
+    """A copy of what a copier reads, with `common_py` as its file `name` (common.py, or another)."""
+    for copied in copied_files(ROOT):
+        os.makedirs(tmp_path / os.path.dirname(copied), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, copied), tmp_path / copied)
+    (tmp_path / name).write_text(common_py, encoding="utf-8")
     return str(tmp_path)
 
 
@@ -140,24 +131,37 @@ def padded(source, tokens):
 
 def test_the_budget_catches_one_token_too_many_and_counts_no_explanation(tmp_path):
     """common.py padded to its limit exactly (explanations added too, which cost nothing): within budget; one token
-    more: over it; each script one token over its pair's limit: over that; a docstring cut below DOCSTRINGS and a
-    line one column too wide each fail."""
+    more: over it; one line more than CORE_LINES: over it; failsafe.py padded to the carried set's limit: within it,
+    and one token more: over it; each script one token over its pair's limit: over that; the docstrings cut below
+    DOCSTRINGS and a line one column too wide each fail."""
     source = read(ROOT, "common.py")
     room = CORE_TOKENS - code_tokens(source)
     assert room >= 5, "no room for the planted function: raise CORE_TOKENS, or plant it otherwise"
     at_limit = padded(source, room)
     assert code_tokens(at_limit) == CORE_TOKENS
-    assert not [p for p in over_budget(copy_of(tmp_path / "at", at_limit)) if p.startswith("common.py")]
+    assert not [p for p in over_budget(copy_of(tmp_path / "at", at_limit)) if "common.py: " in p and "tokens" in p]
     problems = over_budget(copy_of(tmp_path / "over", padded(source, room + 1)))
-    assert problems[0] == f"common.py: {CORE_TOKENS + 1} code tokens, over {CORE_TOKENS}", problems
+    assert f"common.py: {CORE_TOKENS + 1} code tokens, over {CORE_TOKENS}" in problems, problems
+    long = source + "\n" * (CORE_LINES - len(source.splitlines()) + 1)  # blank lines: no token, but lines
+    assert over_budget(copy_of(tmp_path / "long", long)) == [f"common.py: {CORE_LINES + 1} lines, over {CORE_LINES}"]
+    carried = sum(code_tokens(read(ROOT, n)) for n in CARRIED)
+    room = CARRIED_TOKENS - carried
+    assert room >= 5, "no room for the planted function: raise CARRIED_TOKENS, or plant it otherwise"
+    for extra, planted in ((room, []), (room + 1, [f"{' + '.join(CARRIED)}: {CARRIED_TOKENS + 1} code tokens, over "
+                                                    f"{CARRIED_TOKENS}"])):
+        folder = copy_of(tmp_path / f"failsafe{extra}", padded(read(ROOT, "failsafe.py"), extra), "failsafe.py")
+        assert over_budget(folder) == planted
     for script, limit in PAIR_TOKENS.items():  # a script one token over its pair's limit
         pair_room = limit - code_tokens(source) - code_tokens(read(ROOT, script))
         folder = copy_of(tmp_path / script, source)
         with open(os.path.join(folder, script), "w", encoding="utf-8") as f:
             f.write(padded(read(ROOT, script), pair_room + 1))
         assert over_budget(folder) == [f"{script} + common.py: {limit + 1} code tokens, over {limit}"]
-    cut = re.sub(r'"""(.*?)"""', '"""Cut."""', source, flags=re.S)  # every docstring
-    assert f"characters of docstrings, under {DOCSTRINGS}" in " ".join(over_budget(copy_of(tmp_path / "cut", cut)))
+    cut = re.sub(r'"""(.*?)"""', '"""Cut."""', source, flags=re.S)  # every docstring of common.py, and of failsafe.py
+    folder = copy_of(tmp_path / "cut", cut)
+    (tmp_path / "cut" / "failsafe.py").write_text(re.sub(r'"""(.*?)"""', '"""Cut."""', read(ROOT, "failsafe.py"),
+                                                         flags=re.S))
+    assert f"characters of docstrings, under {DOCSTRINGS}" in " ".join(over_budget(folder))
     wide = source + "x = 1  # " + "w" * (COLUMNS - 8) + "\n"
     assert f"common.py:{len(wide.splitlines())}: {COLUMNS + 1} columns, over {COLUMNS}" in \
         over_budget(copy_of(tmp_path / "wide", wide))

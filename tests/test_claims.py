@@ -51,10 +51,10 @@ def test_ctrl_c_ends_every_process_cleanly(tmp_path, launch):
 
     * spawn: the parent and both children are in that group. The children ignore it (they start with SIGINT
       ignored); the parent passes it on as a SIGTERM, on which they save at one step and exit 143 through
-      `common.run_and_exit` (destroy_process_group); the parent then exits 130.
+      `failsafe.run_and_exit` (destroy_process_group); the parent then exits 130.
     * torchrun: its workers run in sessions of their own, so only the agent gets the SIGINT. Its handler raises
       SignalException, which stops the workers by sending each of them SIGINT (SIGKILL 30 s later if one is still
-      there): each saves at one step and leaves through `common.run_and_exit` (destroy_process_group). The agent
+      there): each saves at one step and leaves through `failsafe.run_and_exit` (destroy_process_group). The agent
       then exits 1 with the SignalException ("got signal: 2"): torchrun's status for a launcher stopped by a signal."""
     out = tmp_path / "out"
     gone_dir, hook_dir = tmp_path / "gone", tmp_path / "hook"

@@ -266,7 +266,7 @@ def test_mpirun_trains_like_torchrun(flavour, reference, tmp_path):
 
 @pytest.mark.parametrize("flavour", ["openmpi", pytest.param("mpich", marks=pytest.mark.full)])
 def test_bad_input_under_mpirun_is_one_line_from_rank_0(flavour, tmp_path):
-    """Each rank refuses `--epochs 0`; only the one that mpirun calls rank 0 prints it (common.run_and_exit reads its
+    """Each rank refuses `--epochs 0`; only the one that mpirun calls rank 0 prints it (failsafe.run_and_exit reads its
     rank)."""
     proc = start(MPI_LAUNCH[flavour](free_port()) + [sys.executable, "ddp_launch_train.py", "--epochs", "0"],
                  tmp_path / "log")
@@ -338,7 +338,7 @@ def test_srun_trains_like_torchrun(slurm, reference, tmp_path):
 
 
 PAUSE = 6  # the ranks wait after this optimizer step (tests/hooks.py): the last checkpoint before it is step 4's
-# a signal that came during the pause is acted on at the ranks' next check (common.Agreement.check: about every 2 s,
+# a signal that came during the pause is acted on at the ranks' next check (failsafe.Agreement.check: about every 2 s,
 # every --log-every steps if sooner, and at every save step), at the latest at the next --save-every step
 NEXT_SAVE = 8
 

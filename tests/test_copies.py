@@ -47,7 +47,7 @@ def test_finetune_py_alone_fine_tunes_your_own_model(tmp_path):
 def test_finetune_py_with_models_py_and_datasets_py_fine_tunes_the_built_in_model(tmp_path):
     """dp_train.py unchanged, with the three modules: the built-in data and cnn, from a saved cnn state_dict."""
     os.makedirs(tmp_path / "train_extras")
-    for name in ("dp_train.py", "common.py", *(f"train_extras/{m}.py" for m in
+    for name in ("dp_train.py", "common.py", "failsafe.py", *(f"train_extras/{m}.py" for m in
                                                ("__init__", "finetune", "models", "datasets"))):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     from train_extras import models

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import assert_exit, assert_same_training, checkpoint, max_diff, metrics, worker_exit_codes
 from processes import ROOT, TIMEOUT, alive, run
+from test_budget import CARRIED
 
 SCRIPTS = {  # script: how it is started with 2 processes (dp_train.py: its one process); ranks: by hand, env://
     "ddp_launch_train.py": "ranks",
@@ -248,10 +249,12 @@ def swap_calls(source, name, replacement):
 
 
 def copy_alone(folder, script, mine=None):
-    """`script` and common.py alone in `folder` (made here, empty); with `mine`, a copier's edit: mine.py beside them
-    and the script's model and data lines swapped for its Net() and load_data(args). The edit must stay small."""
+    """`script`, common.py and failsafe.py alone in `folder` (made here, empty): what a copier carries; with `mine`, a
+    copier's edit: mine.py beside them and the script's model and data lines swapped for its Net() and
+    load_data(args). The edit must stay small."""
     folder.mkdir()
-    shutil.copy(os.path.join(ROOT, "common.py"), folder)
+    for name in CARRIED:
+        shutil.copy(os.path.join(ROOT, name), folder)
     source = open(os.path.join(ROOT, script)).read()
     if mine is not None:
         (folder / "mine.py").write_text(mine)
@@ -267,7 +270,7 @@ def copy_alone(folder, script, mine=None):
         assert len(changed) <= 7, f"{script}: swapping the model and data is not a small edit:\n" + "\n".join(changed)
         source = edited
     (folder / script).write_text(source)
-    assert sorted(os.listdir(folder)) == sorted(["common.py", script] + (["mine.py"] if mine else []))
+    assert sorted(os.listdir(folder)) == sorted([*CARRIED, script] + (["mine.py"] if mine else []))
     return folder
 
 
@@ -451,6 +454,43 @@ def test_copied_alone_sigterm_to_one_rank_saves_at_an_agreed_step_exits_143_and_
     resumed, reference = checkpoint(str(out)), checkpoint(str(unbroken(script)[1]))
     assert max_diff(resumed["model"], reference["model"]) == 0
     assert max_diff(resumed["optimizer"], reference["optimizer"]) == 0
+
+
+def test_a_copy_without_failsafe_py_stops_at_its_first_line_naming_it(tmp_path):
+    """What a copier carries is common.py and failsafe.py: without failsafe.py, the script stops at its start, the
+    error naming the file; nothing is written."""
+    folder = copy_alone(tmp_path / "project", "ddp_launch_train.py")
+    os.remove(folder / "failsafe.py")
+    p = launch(folder, "ddp_launch_train.py", "--out-dir", tmp_path / "run")
+    assert p.returncode == 1 and "No module named 'failsafe'" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+LAUNCHED = {  # another launcher's variables, as it sets them: train_extras/launchers.py's to read
+    "mpirun": {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"},
+    "srun": {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_STEP_NODELIST": "node1", "SLURM_JOB_ID": "7"},
+    "a Kubernetes pod": {"RANK": "0", "WORLD_SIZE": "1"},  # no LOCAL_RANK
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_a_copy_without_train_extras_launchers_py_refuses_another_launcher_in_one_line(launcher, tmp_path):
+    """A script and its core copied without train_extras/: a process that srun, mpirun or a Kubernetes pod started
+    stops at once with one line naming train_extras/launchers.py, exit 2, nothing written; so does the old
+    launcher's --local-rank flag. With launchers.py (the checkout), the same process trains."""
+    folder = copy_alone(tmp_path / "project", "ddp_launch_train.py")
+    p = launch(folder, "ddp_launch_train.py", *TINY, "--out-dir", tmp_path / "run", env=LAUNCHED[launcher])
+    assert_exit(p, 2)
+    assert error_lines(p) == ["error: a launch by srun, mpirun, mpiexec or a Kubernetes pod (RANK without LOCAL_RANK) "
+                              "needs train_extras/launchers.py (and its __init__.py): copy them"], p.stderr[-3000:]
+    p = launch(folder, "ddp_launch_train.py", "--local-rank=0", "--out-dir", tmp_path / "run")
+    assert_exit(p, 2)
+    assert error_lines(p)[0].startswith("error: unrecognized arguments: --local-rank=0 (a flag of "
+                                        "train_extras/launchers.py: copy it and its __init__.py)"), p.stderr
+    assert not (tmp_path / "run").exists()
+    p = run("ddp_launch_train.py", *TINY, "--max-steps", 2, "--out-dir", tmp_path / "run", env=LAUNCHED[launcher])
+    assert f"started by {'env:// (no LOCAL_RANK' if launcher.startswith('a K') else launcher}" in p.stdout, p.stdout
 
 
 @pytest.mark.workers

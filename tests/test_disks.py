@@ -1,5 +1,5 @@
 """Disks that fail a run: a full one (a real tmpfs too small for a second checkpoint, where torch's writer says only
-"unexpected pos": common.save_failed infers it from the space left), one made read-only before the run or in the
+"unexpected pos": failsafe.save_failed infers it from the space left), one made read-only before the run or in the
 middle of it (a real read-only bind mount: root writes into a chmod 555 folder, so chmod cannot test
 it), an --out-dir removed mid-run, a quota or a full disk reached by the metrics row (injected: EDQUOT, a half
 write), a sharded save on a full disk. Every case: one line

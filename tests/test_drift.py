@@ -158,7 +158,7 @@ def test_the_readme_names_exactly_the_steps_left_uncompared():
 
 
 BREAKAGES = {  # what a script must not lose: the start of the lines that go
-    # the agreement of all ranks on a NaN/inf loss and on a stop signal (common.Agreement.check)
+    # the agreement of all ranks on a NaN/inf loss and on a stop signal (failsafe.Agreement.check)
     "agreement.check": ["        run.agreement.step_done(loss)"],
     "set_epoch": ["    run.sampler.set_epoch(epoch)"],
     "buffer broadcast": ["            for buffer in run.raw_model.buffers():",

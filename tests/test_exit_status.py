@@ -195,7 +195,7 @@ def test_a_rank_frozen_while_the_ranks_evaluate_with_workers_ends_the_run_within
     assert seconds < bound + 15, log[-4000:]
     assert len(named(1).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
     assert worker_exit_codes(log) == {0: 3, 1: -signal.SIGKILL}, log[-4000:]
-    # multiprocessing's resource tracker, in a session of its own (common.start_resource_tracker), outlives the
+    # multiprocessing's resource tracker, in a session of its own (failsafe.start_resource_tracker), outlives the
     # SIGKILL and unlinks the semaphores of rank 1's DataLoader from /dev/shm (the session's end checks): its warning
     # says so
     deadline = time.monotonic() + 10
@@ -277,10 +277,10 @@ def test_srun_reports_3_for_the_rank_that_waited_for_a_stuck_one(slurm, tmp_path
 @pytest.mark.parametrize("script, launcher, nproc", [("ddp_spawn_train.py", "python", 2),
                                                      ("fsdp_train.py", "torchrun", 2), ("dp_train.py", "python", None)])
 def test_a_finished_rank_leaves_without_the_interpreters_teardown(script, launcher, nproc, tmp_path):
-    """Every rank that finished ends by os._exit(0) (common.run_and_exit), as every failing one does: the interpreter's
-    teardown, where gloo's threads now and then abort a process that has finished (SIGABRT, 'terminate called
-    without an active exception', exit 1), never runs. Real interpreters (a forked run would end as its fork server
-    makes it)."""
+    """Every rank that finished ends by os._exit(0) (failsafe.run_and_exit), as every failing one does: the
+    interpreter's teardown, where gloo's threads now and then abort a process that has finished (SIGABRT, 'terminate
+    called without an active exception', exit 1), never runs. Real interpreters (a forked run would end as its fork
+    server makes it)."""
     hooks = Hooks(tmp_path)
     p = run(script, *TINY, "--out-dir", tmp_path / "out", launcher=launcher, nproc=nproc, env=hooks.env, check=False,
             fork=False)

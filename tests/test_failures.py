@@ -15,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-import common
+import failsafe
 from conftest import assert_exit, checkpoint, max_diff, metrics
 from hooks import Hooks
 from processes import Proc, alive, command, descendants, run
@@ -63,8 +63,8 @@ BAD = {  # name: (arguments, words the one error line must contain)
     "pretrained_offline": (["--model", "resnet18", "--pretrained"], "resnet18-f37072fd.pth (from https://download."
                            "pytorch.org/models/resnet18-f37072fd.pth) in {d}/torch_home/hub/checkpoints"),
     # its bytes changed after its save (a bad copy, a disk): the CRCs torch wrote, checked wherever it is read
-    "damaged_resume": (["--resume", "{d}/damaged.pt"], "damaged.pt is damaged (Bad CRC-32 for file 'archive/data/"),
-    "damaged_weights": (["--weights", "{d}/damaged.pt"], "damaged.pt is damaged (Bad CRC-32 for file 'archive/data/"),
+    "damaged_resume": (["--resume", "{d}/damaged.pt"], "damaged.pt is damaged (its record archive/data/"),
+    "damaged_weights": (["--weights", "{d}/damaged.pt"], "damaged.pt is damaged (its record archive/data/"),
     "missing_resume": (["--resume", "{d}/nope.pt"], "nope.pt is not a readable checkpoint "
                        "(FileNotFoundError): missing"),
     # DCP is fsdp_train.py's: its checkpoints, and its flags, are one line here
@@ -146,7 +146,7 @@ def test_sharded_checkpoint_converts_to_one_file_and_back(previous_run, tmp_path
         assert max_diff(back["optimizer"]["state"][name], state) == 0
     assert back["rng"][0]["cpu"].equal(original["rng"][0]["cpu"]) and back["scheduler"] == original["scheduler"]
     models.make("cnn", 1, 10).load_state_dict(back["model"])
-    with pytest.raises(common.UsageError, match="empty is not a complete sharded checkpoint"):
+    with pytest.raises(failsafe.UsageError, match="empty is not a complete sharded checkpoint"):
         to_file(str(previous_run / "empty"), str(tmp_path / "none.pt"))
 
 
@@ -218,7 +218,8 @@ def test_a_damaged_checkpoint_is_refused_by_the_conversion_and_one_saved_without
     """The conversion to a sharded folder refuses the damaged last.pt in one line; a last.pt that torch wrote without
     CRCs (torch.serialization.set_crc32_options(False)) resumes as any other."""
     p = command([sys.executable, "-m", "train_extras.sharded", previous_run / "damaged.pt", tmp_path / "folder"])
-    assert p.returncode == 1 and p.stderr.startswith(f"error: {previous_run / 'damaged.pt'} is damaged (Bad CRC-32")
+    assert p.returncode == 1 and p.stderr.startswith(f"error: {previous_run / 'damaged.pt'} is damaged (its record "
+                                                     "archive/data/"), p.stderr
     assert not (tmp_path / "folder").exists()
     out = tmp_path / "out"
     shutil.copytree(previous_run / "out", out)

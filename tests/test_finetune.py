@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import failsafe
 from conftest import checkpoint, metrics
 from processes import run
 from train_extras import finetune
@@ -149,12 +150,12 @@ def test_weights_of_another_head_and_channel_count_load_where_they_fit(images, t
 
 def test_fine_tuning_flags_that_cannot_work_together_are_one_line_errors():
     """--pretrained and --weights: refused by the parser; --freeze-backbone alone: by finetune.prepare, on every rank
-    alike, before anything is trained. One line (common.run_and_exit prints it once as `error:`), exit 2."""
-    with pytest.raises(common.UsageError, match="argument --weights: not allowed with argument --pretrained") as e:
+    alike, before anything is trained. One line (failsafe.run_and_exit prints it once as `error:`), exit 2."""
+    with pytest.raises(failsafe.UsageError, match="argument --weights: not allowed with argument --pretrained") as e:
         common.get_parser("").parse_args(["--model", "resnet18", "--pretrained", "--weights", "x.pt"])
     assert e.value.code == 2 and len(str(e.value).splitlines()) == 1, e.value
     args = common.get_parser("").parse_args(["--freeze-backbone"])
-    with pytest.raises(common.UsageError, match="^--freeze-backbone needs --pretrained or --weights: a random"):
+    with pytest.raises(failsafe.UsageError, match="^--freeze-backbone needs --pretrained or --weights: a random"):
         finetune.prepare(models.make("cnn", 1, 10), types.SimpleNamespace(args=args))
     args = common.get_parser("").parse_args([])
     model = models.make("cnn", 1, 10)
@@ -163,7 +164,7 @@ def test_fine_tuning_flags_that_cannot_work_together_are_one_line_errors():
 
 def test_pretrained_without_a_torchvision_model_is_a_one_line_error(tmp_path):
     """cnn has no pretrained weights: the run stops with one line, exit 2, before it trains or writes a checkpoint."""
-    with pytest.raises(common.UsageError, match="--pretrained needs a torchvision model .*: cnn has no pretrained"):
+    with pytest.raises(failsafe.UsageError, match="--pretrained needs a torchvision model .*: cnn has no pretrained"):
         finetune.pretrained_weights("cnn")
     out = tmp_path / "out"
     p = run("dp_train.py", "--pretrained", "--train-size", 64, "--val-size", 16, "--batch-size", 32, "--epochs", 1,
@@ -184,7 +185,7 @@ def test_freezing_what_weights_did_not_load_is_an_error(tmp_path):
     head = finetune.head_names(model, "cnn")
     assert head == {"fc2.weight", "fc2.bias"}
     args = types.SimpleNamespace(weights=str(tmp_path / "w.pt"), model="cnn", freeze_backbone=True)
-    with pytest.raises(common.UsageError, match="--freeze-backbone would freeze tensors that .* does not hold: "
+    with pytest.raises(failsafe.UsageError, match="--freeze-backbone would freeze tensors that .* does not hold: "
                                                 "conv1.weight$"):
         finetune.load_weights(model, args, head)
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])] == []  # refused: none loaded

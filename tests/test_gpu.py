@@ -94,7 +94,7 @@ def dump():
     json.dump(seen, open(os.path.join(os.environ["SEE_DIR"], f"{os.getpid()}.json"), "w"))
 atexit.register(dump)
 _exit = os._exit
-def dump_then_exit(code):  # the scripts leave by os._exit (common.run_and_exit), which skips atexit
+def dump_then_exit(code):  # the scripts leave by os._exit (failsafe.run_and_exit), which skips atexit
     dump()
     _exit(code)
 os._exit = dump_then_exit
@@ -357,8 +357,8 @@ def test_compile_equals_eager(runs, script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_no_host_sync_in_the_training_loop_but_at_its_checks(script, tmp_path):
     """torch.cuda.set_sync_debug_mode("warn") from the end of the second step: every host sync comes from a check
-    (common.Agreement.check, and the log line), an epoch's end, the evaluation or a save, none from a training step, the
-    loader or the bookkeeping of a step. ddp_amp_train.py in bf16: fp16's GradScaler reads its inf flag every step
+    (failsafe.Agreement.check, and the log line), an epoch's end, the evaluation or a save, none from a training step,
+    the loader or the bookkeeping of a step. ddp_amp_train.py in bf16: fp16's GradScaler reads its inf flag every step
     (docs/performance.md)."""
     if not CUDA:
         pytest.skip(DRY + "host syncs are a GPU's")

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import common
+import failsafe
 from processes import Proc, command, env_ranks, free_port, run
 
 TINY = ["--train-size", 96, "--val-size", 20, "--batch-size", 12, "--epochs", 1]
@@ -47,7 +48,7 @@ def test_the_default_device_and_backend_are_torchs_for_this_machines_accelerator
 @pytest.mark.parametrize("kind, asked", [(None, "cuda"), ("cuda", "xpu")])
 def test_a_device_this_machine_cannot_give_is_one_line(monkeypatch, kind, asked):
     fake_accelerator(monkeypatch, kind)
-    with pytest.raises(common.UsageError, match=f"^--device {asked}, but torch finds no {asked} device here$"):
+    with pytest.raises(failsafe.UsageError, match=f"^--device {asked}, but torch finds no {asked} device here$"):
         common.device_type(asked)
 
 
@@ -72,7 +73,7 @@ def test_dp_compile_on_several_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     args = ns(device="cuda", gpus=None, output_device=None, compile=True, deterministic=False)
-    with pytest.raises(common.UsageError, match="--compile with DataParallel on several GPUs"):
+    with pytest.raises(failsafe.UsageError, match="--compile with DataParallel on several GPUs"):
         dp_train.setup_devices(args)
     assert dp_train.setup_devices(ns(**{**vars(args), "gpus": "1"})).gpus == [1]
 
@@ -118,7 +119,7 @@ def test_each_launchers_environment_gives_rank_and_world(environ, name):
      "torchrun: 2 processes, but no MASTER_ADDR and MASTER_PORT")])
 def test_a_partial_launch_environment_is_one_line(environ, env, says):
     environ(**env)
-    with pytest.raises(common.UsageError, match=says):
+    with pytest.raises(failsafe.UsageError, match=says):
         common.launcher_env()
 
 

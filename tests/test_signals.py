@@ -2,10 +2,10 @@
 torchrun's workers, torchrun itself, mp.spawn's parent, ranks started by hand with env://; srun and sbatch in
 test_cluster.py) stop the run with a checkpoint written *after* the signal, at one step every rank agreed on, and the
 documented status (docs/failures.md: 0 after SIGUSR1, 143 after SIGTERM, 129 after SIGHUP; torchrun itself exits 1 and
-names each worker's 143). The ranks learn of a signal at their next check (common.Agreement.check: one all-reduce about
-every 2 s, every --log-every steps if sooner, and at every save step), so that the stop comes a few steps after the
-signal, at the latest at the next --save-every step, and for steps of seconds well inside a launcher's grace period. A
-save that a signal or a kill interrupts, in the one-file format and in the sharded one written in the background
+names each worker's 143). The ranks learn of a signal at their next check (failsafe.Agreement.check: one all-reduce
+about every 2 s, every --log-every steps if sooner, and at every save step), so that the stop comes a few steps after
+the signal, at the latest at the next --save-every step, and for steps of seconds well inside a launcher's grace period.
+A save that a signal or a kill interrupts, in the one-file format and in the sharded one written in the background
 (fsdp_train.py --ckpt-format dcp --async-save), leaves a whole checkpoint to resume; one that outlives the launcher's
 grace period is killed, and the previous checkpoint stays whole.
 
@@ -70,7 +70,7 @@ def agreed_stop(log, sig, hooks, out, steps_per_epoch, after, by, group=True):
 def kept_groups(hooks, ranks):
     """Checks that each of `ranks` left with its process group whole: every thread that init_process_group started
     still ran as it asked for its exit. Freed by the gc after a stop, the group's destructor now and then waited
-    forever for a gloo thread that waited for the GIL (common.KEPT), until torchrun's SIGKILL 30 s later."""
+    forever for a gloo thread that waited for the GIL (failsafe.KEPT), until torchrun's SIGKILL 30 s later."""
     threads = hooks.group_threads()  # {rank: (threads running at its exit, threads started)}
     assert sorted(threads) == sorted(ranks), f"the ranks that counted their process group's threads: {threads}"
     for rank, (running, started) in threads.items():
@@ -634,8 +634,8 @@ GONE = {"torchrun SIGKILL": ("torchrun", signal.SIGKILL), "torchrun SIGUSR1": ("
 def test_workers_whose_launcher_is_gone_stop_at_their_next_check_saved_and_the_resume_is_exact(case, tmp_path,
                                                                                                 reference):
     """The launcher killed while both ranks wait at PAUSE: each rank, its parent gone, stops at its next check (by
-    NEXT_SAVE), saved, with one line, `stopped by SIGHUP (its launcher is gone) at step N`, and exits 129; nothing
-    is left running, and --resume auto ends bit for bit where an unbroken run does."""
+    NEXT_SAVE), saved, with one line, `stopped by SIGHUP at step N`, and exits 129; nothing
+    is left running, and --resume auto ends bit for bit where an unbroken run does."""  # (as on SIGHUP: a hangup)
     launch, sig = GONE[case]
     out, hooks = tmp_path / "run", Hooks(tmp_path, pause_at=PAUSE)
     cmd = (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT, "ddp_launch_train.py") if launch == "torchrun"
@@ -653,8 +653,8 @@ def test_workers_whose_launcher_is_gone_stop_at_their_next_check_saved_and_the_r
     finally:
         proc.kill()
     assert hooks.exits() == {0: 129, 1: 129}, (hooks.exits(), proc.output()[-3000:])
-    steps = [int(n) for n in re.findall(r"^stopped by SIGHUP \(its launcher is gone\) at step (\d+), where last.pt "
-                                        r"was saved", proc.output(), re.M)]
+    steps = [int(n) for n in re.findall(r"^stopped by SIGHUP at step (\d+), where last.pt was saved", proc.output(),
+                                        re.M)]
     assert len(steps) == 1 and PAUSE < steps[0] <= NEXT_SAVE, proc.output()[-3000:]
     assert set(hooks.steps().values()) == {steps[0]} and position(load(out / "last.pt"), STEPS_PER_EPOCH) == steps[0]
     log = run("ddp_launch_train.py", *flags(2), "--resume", "auto", "--out-dir", out, launcher="torchrun",
@@ -685,7 +685,8 @@ def test_torchrun_signals_to_handle_passes_sigusr1_on_to_its_workers(tmp_path):
 
 # ---- a job's stop: the signal to every process of the job (scancel and a preemption, timeout, docker stop, systemd;
 # torchrun to each worker's group), the DataLoader workers reading files and their helper processes included. The
-# workers ignore it: their trainer saves at the step the ranks agree on, then ends them (common.deaf, end_workers)
+# workers ignore it: their trainer saves at the step the ranks agree on, then ends them (failsafe.init_worker,
+# end_workers)
 JOB = {  # launch: the command before the script, the ranks (one process: rank 0)
     "python": ([sys.executable], [0]),
     "torchrun": (torchrun("--nproc_per_node=2", *LAUNCHER_PICKS_PORT), [0, 1]),
@@ -838,11 +839,12 @@ def stop_the_job(launch, sig, script, more, to, hooks, images, unbroken_job, tmp
     assert max_diff(final["optimizer"], straight["optimizer"]) == 0
 
 
-# a run's ending (common.run_and_exit) while a DataLoader's queue is freed and its thread, which holds the queue's two
+# a run's ending (failsafe.run_and_exit) while a DataLoader's queue is freed and its thread, which holds the queue's two
 # named semaphores until it ends, has not run yet: made certain here with a thread that starts 0.3 s late
 QUEUE_THREAD_LATE = """
 import multiprocessing, multiprocessing.queues, signal, time
 import common
+import failsafe
 
 feed = multiprocessing.queues.Queue._feed
 
@@ -856,10 +858,10 @@ def main(args):
     multiprocessing.queues.Queue._feed = staticmethod(late)
     queue = multiprocessing.get_context("spawn").Queue()  # named semaphores, as forkserver's
     queue.put(0)
-    raise common.Stopped(signal.SIGUSR1, 6)
+    raise failsafe.Stopped(signal.SIGUSR1, 6)
 
 
-common.run_and_exit(main, lambda: None)
+failsafe.run_and_exit(main, lambda: None)
 """
 
 

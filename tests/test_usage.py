@@ -1,5 +1,5 @@
 """What a new user meets: flags checked by the parser (argparse types, choices and exclusive groups, and
-common.Parser's checks of flags together) in one `error:` line, subsets that keep every class, resumes that refuse
+failsafe.Parser's checks of flags together) in one `error:` line, subsets that keep every class, resumes that refuse
 what they cannot continue, files named in one line, the wrong launcher refused (signals: test_signals.py), a fresh
 run that never replaces an earlier last.pt, and logs that read well in a file."""
 import argparse
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import failsafe
 from conftest import assert_exit, checkpoint, metrics, worker_exit_codes
 from processes import run
 from train_extras import finetune, models
@@ -26,8 +27,9 @@ def defaults(**change):
 
 
 def refused(argv):
-    """What the parser's refusal of `argv` says: a UsageError (exit status 2), which common.run_and_exit prints once."""
-    with pytest.raises(common.UsageError) as e:
+    """What the parser's refusal of `argv` says: a UsageError (exit status 2), which failsafe.run_and_exit prints
+    once."""
+    with pytest.raises(failsafe.UsageError) as e:
         common.get_parser("").parse_args(argv)
     assert e.value.code == 2 and len(str(e.value).splitlines()) == 1, e.value
     return str(e.value)
@@ -107,24 +109,24 @@ def test_classes_come_from_the_whole_dataset():
 def test_one_class_is_refused(tmp_path):
     write_images(tmp_path, {"train": {"a": 4}, "val": {"a": 2}})
     train, _ = common.load_data(defaults(dataset="imagefolder", data_dir=str(tmp_path), image_size=8))
-    with pytest.raises(common.UsageError, match="at least 2"):
+    with pytest.raises(failsafe.UsageError, match="at least 2"):
         models.channels_and_classes(train)
 
 
 @pytest.mark.parametrize("shape", ["3x4", "3x4x4", "0x28x28", "axbxc"])
 def test_a_bad_synthetic_shape_is_one_line(shape):
     """Checked where the synthetic data is built (train_extras/datasets.py), on rank 0 before anything is written."""
-    with pytest.raises(common.UsageError, match=f"^--synthetic-shape {shape}: give CxHxW with C >= 1 and H, W >= 7$"):
+    with pytest.raises(failsafe.UsageError, match=f"^--synthetic-shape {shape}: give CxHxW with C >= 1 and H, W >= 7$"):
         common.load_data(defaults(synthetic_shape=shape))
 
 
 def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     empty = tmp_path / "last.pt"
     empty.write_bytes(b"")
-    with pytest.raises(common.UsageError, match="last.pt is not a readable checkpoint .*truncated"):
+    with pytest.raises(failsafe.UsageError, match="last.pt is not a readable checkpoint .*truncated"):
         common.read_checkpoint(str(empty))
     torch.save(models.make("cnn", 1, 10), tmp_path / "whole.pt")  # a pickled model, not a state_dict
-    with pytest.raises(common.UsageError, match=r"whole.pt is not a readable .*save its state_dict\)\?$"):
+    with pytest.raises(failsafe.UsageError, match=r"whole.pt is not a readable .*save its state_dict\)\?$"):
         common.read_checkpoint(str(tmp_path / "whole.pt"))
     model = models.make("cnn", 1, 10)
     torch.save({"state_dict": model.state_dict()}, tmp_path / "lightning.pt")  # timm/Lightning layout
@@ -132,17 +134,17 @@ def test_checkpoint_files_get_one_line_that_says_what_to_do(tmp_path):
     ten = {"model": model.state_dict(), "optimizer": {}, "args": {}, "global_batch": 64}
     torch.save(ten, tmp_path / "ten.pt")
     args, out = defaults(resume=str(tmp_path / "ten.pt")), str(tmp_path / "out")
-    with pytest.raises(common.UsageError, match="ten.pt is not a training state of this model .*classes"):
+    with pytest.raises(failsafe.UsageError, match="ten.pt is not a training state of this model .*classes"):
         common.checkpoint_to_resume(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 3), global_batch=64,
                                    steps_per_epoch=8, train_set=range(512)))
-    with pytest.raises(common.UsageError, match="global batch of 64, this run's is 32"):
+    with pytest.raises(failsafe.UsageError, match="global batch of 64, this run's is 32"):
         common.checkpoint_to_resume(ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=32,
                                   steps_per_epoch=8, train_set=range(512)))
     run = ns(args=args, out_dir=out, raw_model=models.make("cnn", 1, 10), global_batch=64, steps_per_epoch=8,
              train_set=range(512))
     assert common.checkpoint_to_resume(run)["global_batch"] == 64
     torch.save({**ten, "steps_per_epoch": 16}, tmp_path / "ten.pt")  # a data set twice the size
-    with pytest.raises(common.UsageError, match="ten.pt was trained with 16 steps per epoch, this run has 8: the "
+    with pytest.raises(failsafe.UsageError, match="ten.pt was trained with 16 steps per epoch, this run has 8: the "
                                                 "data changed"):
         common.checkpoint_to_resume(run)
 
@@ -157,7 +159,7 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     assert capsys.readouterr().out == f"--resume auto: no checkpoint in {out}, starting afresh\n"
     (tmp_path / "data").mkdir()  # a typo, the data folder: no checkpoint, and no sharded one either
     run.args = defaults(resume=str(tmp_path / "data"))
-    with pytest.raises(common.UsageError, match=f"--resume {tmp_path / 'data'}: a folder that holds no checkpoint"):
+    with pytest.raises(failsafe.UsageError, match=f"--resume {tmp_path / 'data'}: a folder that holds no checkpoint"):
         common.checkpoint_to_resume(run)
     (tmp_path / "old").mkdir()
     torch.save({"model": model.state_dict(), "optimizer": {}, "args": {"optimizer": "sgd"}, "global_batch": 64},
@@ -165,7 +167,7 @@ def test_resume_says_what_it_resumes_or_why_not(tmp_path, capsys):
     run.args = defaults(resume=str(tmp_path / "old"))
     assert common.checkpoint_to_resume(run)["args"] == {"optimizer": "sgd"}
     run.args = defaults(resume=str(tmp_path / "old"), optimizer="adamw")
-    with pytest.raises(common.UsageError, match="old/last.pt was trained with --optimizer sgd: to start adamw from "
+    with pytest.raises(failsafe.UsageError, match="old/last.pt was trained with --optimizer sgd: to start adamw from "
                                                 "its weights, give it to --weights$"):
         common.checkpoint_to_resume(run)
 
@@ -187,9 +189,9 @@ def test_a_nan_stop_says_whether_an_older_checkpoint_is_there():
     for saved, words in [(None, "stopped, nothing was saved$"),
                          ({"epoch": 1}, "stopped, the last checkpoint is older$")]:
         run.position = common.Position(run, saved)
-        agreement = common.Agreement(run)
+        agreement = failsafe.Agreement(run)
         agreement.first_bad.fill_(3)  # the first NaN/inf step, as step_done notes it
-        with pytest.raises(common.NanLoss, match=words) as e:
+        with pytest.raises(failsafe.NanLoss, match=words) as e:
             agreement.check()
         assert e.value.code == 1
 

@@ -1,11 +1,11 @@
-"""A job's stop under every way DataLoader workers start: fork (Linux, to Python 3.13), forkserver (Linux's default
-from Python 3.14) and spawn (macOS, Windows), each forced (the hooks' TEST_START_METHOD), under every launcher: the
-job test of test_signals.py (the signal to every process of the job while every rank waits at step 6), in a file of
-its own so that it runs beside that one. train_extras/workers.py is left out: the workers start as torch starts them,
-by the core's own path (common.Loader), as on every Python where workers.py does nothing (3.11.10 and newer). A job's
-stop signal reaches the workers and the helpers of their start method too: the fork server, the resource tracker,
-and mp.spawn's parent's tracker, which its children use. (mp.spawn's children start their workers by spawn whatever
-the default: they are spawned, and spawn's set-up sets it.)"""
+"""A job's stop under every way DataLoader workers start: fork (Linux, to Python 3.13), forkserver (Linux's default from
+Python 3.14) and spawn (macOS, Windows), each forced (the hooks' TEST_START_METHOD), under every launcher: the job test
+of test_signals.py (the signal to every process of the job while every rank waits at step 6), in a file of its own so
+that it runs beside that one. train_extras/workers.py is left out: the workers start as torch starts them, by the core's
+own path (failsafe.DeafWorkersLoader), as on every Python where workers.py does nothing (3.11.10 and newer). A job's
+stop signal reaches the workers and the helpers of their start method too: the fork server, the resource tracker, and
+mp.spawn's parent's tracker, which its children use. (mp.spawn's children start their workers by spawn whatever the
+default: they are spawned, and spawn's set-up sets it.)"""
 import os
 import shutil
 import signal
@@ -29,9 +29,9 @@ START_CASES = [  # launch, signal, script, start method: each method once in the
 
 @pytest.fixture(scope="module")
 def without_workers_py(tmp_path_factory):
-    """A copy of the scripts, common.py and train_extras/ but workers.py."""
+    """A copy of the scripts, common.py, failsafe.py and train_extras/ but workers.py."""
     folder = tmp_path_factory.mktemp("checkout")
-    for name in ("common.py", "ddp_launch_train.py", "ddp_spawn_train.py"):
+    for name in ("common.py", "failsafe.py", "ddp_launch_train.py", "ddp_spawn_train.py"):
         shutil.copy(ROOT / name, folder)
     shutil.copytree(ROOT / "train_extras", folder / "train_extras",
                     ignore=shutil.ignore_patterns("workers.py", "__pycache__"))

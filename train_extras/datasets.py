@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import common
+import failsafe
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 STATS = {"mnist": ([0.1307], [0.3081]),
@@ -31,7 +32,7 @@ def add_flags(parser):
       "least 7)")
 
 
-class UnreadableFile(common.UsageError):
+class UnreadableFile(failsafe.UsageError):
     """A file that cannot train, found where it is read (a DataLoader worker, or this process):
     only that rank knows, so that rank says it. From a worker it comes back with the worker's
     traceback as its message: the last line is the one."""
@@ -85,8 +86,8 @@ def synthetic_sets(args):
     except ValueError:
         c = h = w = 0
     if min(c, h - 6, w - 6) < 1:
-        raise common.UsageError(f"--synthetic-shape {args.synthetic_shape}: "
-                                "give CxHxW with C >= 1 and H, W >= 7")
+        raise failsafe.UsageError(f"--synthetic-shape {args.synthetic_shape}: "
+                                  "give CxHxW with C >= 1 and H, W >= 7")
     (xt, yt), (xv, yv) = (synthetic(n, args.seed + k, (c, h, w)) for n, k in
                           ((args.train_size or 10000, 0), (args.val_size or 2000, 10**6)))
     mean, std = xt.mean(), xt.std()
@@ -97,7 +98,7 @@ def random_subset(n_all, n, seed, flag):
     """Indices of n of n_all samples (all without n), drawn with `seed`: the same on every rank and
     every run. More than there are: one line, not n_all without a word."""
     if n is not None and n > n_all:
-        raise common.UsageError(f"{flag} {n}: the data has {n_all} samples")
+        raise failsafe.UsageError(f"{flag} {n}: the data has {n_all} samples")
     if n is None or n == n_all:
         return list(range(n_all))
     return torch.randperm(n_all, generator=torch.Generator().manual_seed(seed))[:n] \
@@ -151,9 +152,9 @@ def in_memory(args, train, weights, download):
     except Exception as e:  # no network, or no files and download=False
         where = os.path.join(args.data_dir,
                              *(("MNIST", "raw") if d == "mnist" else ("cifar-10-batches-py",)))
-        raise common.UsageError(f"{d} is not in {args.data_dir} and could not be downloaded "
-                                f"({type(e).__name__}): put its files in {where}, or use "
-                                "--dataset synthetic, which needs no download") from None
+        raise failsafe.UsageError(f"{d} is not in {args.data_dir} and could not be downloaded "
+                                  f"({type(e).__name__}): put its files in {where}, or use "
+                                  "--dataset synthetic, which needs no download") from None
     flag, n = ("--train-size", args.train_size) if train else ("--val-size", args.val_size)
     keep = random_subset(len(ds.targets), n, args.seed, flag)
     x = torch.as_tensor(ds.data[keep]).float().div(255)  # the subset first: less to convert
@@ -316,15 +317,15 @@ def image_folder(args, weights, download):
         try:
             ds = ImageFiles(root, args.image_size, split == "train", args.seed, weights)
         except OSError as e:  # no such folder, no class folders, a class without images
-            raise common.UsageError(
+            raise failsafe.UsageError(
                 f"--dataset imagefolder needs {root}/<class>/<image> files: {e}") from None
         keep = random_subset(len(ds.samples), n, args.seed, f"--{split}-size")
         ds.samples = [ds.samples[i] for i in keep]
         sets.append(ds)
     # label 3 would mean one class in training and another in validation
     if sets[0].classes != sets[1].classes:
-        raise common.UsageError(f"train/ and val/ in {args.data_dir} hold different classes: "
-                                f"{sets[0].classes} vs {sets[1].classes}")
+        raise failsafe.UsageError(f"train/ and val/ in {args.data_dir} hold different classes: "
+                                  f"{sets[0].classes} vs {sets[1].classes}")
     if download and args.image_size is None and not weights:  # said once, by rank 0 (download=True)
         print("imagefolder: images resized to 224x224; small images train much faster at about "
               "their own size: --image-size", flush=True)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import common
+import failsafe
 
 AUX_LOGITS = ("googlenet", "inception_v3")  # as models.py builds them: no auxiliary outputs
 
@@ -32,8 +33,8 @@ def prepare(model, run):
     if not (args.pretrained or args.weights or args.freeze_backbone):
         return model
     if not (args.pretrained or args.weights):
-        raise common.UsageError("--freeze-backbone needs --pretrained or --weights: a random "
-                                "backbone is not worth freezing")
+        raise failsafe.UsageError("--freeze-backbone needs --pretrained or --weights: a random "
+                                  "backbone is not worth freezing")
     if args.pretrained:  # the weights are --model's, a flag of models.py
         common.optional("models", "--pretrained")
     head = head_names(model, getattr(args, "model", None))
@@ -62,8 +63,8 @@ def pretrained_weights(name):
     try:
         return torchvision.models.get_model_weights(name).DEFAULT
     except ValueError:  # cnn, or a model torchvision has no weights for
-        raise common.UsageError(f"--pretrained needs a torchvision model (e.g. --model resnet50): "
-                                f"{name} has no pretrained weights") from None
+        raise failsafe.UsageError(f"--pretrained needs a torchvision model (e.g. --model "
+                                  f"resnet50): {name} has no pretrained weights") from None
 
 
 def fetch_pretrained(name):
@@ -76,11 +77,11 @@ def fetch_pretrained(name):
         weights.get_state_dict(progress=True, check_hash=True)
     except Exception as e:  # no network, a proxy, a truncated file...
         if os.path.exists(path):
-            raise common.UsageError(f"{path} could not be read ({type(e).__name__}): "
-                                    "delete it to download it again") from None
-        raise common.UsageError(f"could not download the {weights} weights ({type(e).__name__}): "
-                                f"put {os.path.basename(path)} (from {weights.url}) in "
-                                f"{os.path.dirname(path)}") from None
+            raise failsafe.UsageError(f"{path} could not be read ({type(e).__name__}): "
+                                      "delete it to download it again") from None
+        raise failsafe.UsageError(f"could not download the {weights} weights ({type(e).__name__}): "
+                                  f"put {os.path.basename(path)} (from {weights.url}) in "
+                                  f"{os.path.dirname(path)}") from None
 
 
 def load_pretrained(model, name, head):
@@ -142,13 +143,13 @@ def load_weights(model, args, head):
     hits = {k: v for k, v in state.items()
             if k in own and torch.is_tensor(v) and v.shape == own[k].shape}
     if not hits:
-        raise common.UsageError(f"{args.weights} holds no tensor of this --model's names and "
-                                f"shapes: is it a {model.__class__.__name__}?")
+        raise failsafe.UsageError(f"{args.weights} holds no tensor of this --model's names and "
+                                  f"shapes: is it a {model.__class__.__name__}?")
     fresh, unused = [k for k in own if k not in hits], [k for k in state if k not in own]
     frozen_fresh = [k for k in fresh if k not in head] if args.freeze_backbone else []
     if frozen_fresh:
-        raise common.UsageError(f"--freeze-backbone would freeze tensors that {args.weights} "
-                                f"does not hold: {listed(frozen_fresh)}")
+        raise failsafe.UsageError(f"--freeze-backbone would freeze tensors that {args.weights} "
+                                  f"does not hold: {listed(frozen_fresh)}")
     model.load_state_dict(hits, strict=False)
     print(f"{args.weights}: loaded {len(hits)} of the model's {len(own)} tensors"
           + (f"; kept fresh (another shape, or not in the file): {listed(fresh)}" if fresh else "")
@@ -162,8 +163,8 @@ def state_dict_in(path):
     ckpt = common.read_checkpoint(path)
     state = ckpt.get("model", ckpt.get("state_dict", ckpt)) if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
-        raise common.UsageError(f"{path} holds no state_dict "
-                                "(no 'model' or 'state_dict' entry of tensors)")
+        raise failsafe.UsageError(f"{path} holds no state_dict "
+                                  "(no 'model' or 'state_dict' entry of tensors)")
     return dict(state)
 
 

@@ -10,7 +10,7 @@ import time
 
 import torch.distributed as dist
 
-import common
+import failsafe
 
 
 @contextlib.contextmanager
@@ -25,9 +25,9 @@ def named(run):
         yield
     except RuntimeError as e:
         why = str(e).lower().replace("timeout", "timed out")
-        lost = common.peer_lost(why)  # a peer's process is gone (else: it stopped answering)
+        lost = failsafe.peer_lost(why)  # a peer's process is gone (else: it stopped answering)
         if run.world_size == 1 or not (lost or "timed out" in why) or "dataloader" in why \
-                or common.STOP.paused() or lost and common.STOP.agreed:  # (common.ending's)
+                or failsafe.STOP.paused() or lost and failsafe.STOP.agreed:  # (failsafe.ending's)
             raise
         what = "a peer's connection closed" if lost else "a collective timed out"
         arrived = within(10, lambda: mark_and_read(run))
@@ -37,8 +37,8 @@ def named(run):
         running = {r for r, (host, _, pid) in enumerate(where) if host == here and not gone(pid)}
         if arrived is None and not (lost and set(range(run.world_size)) - running):
             # gone with rank 0, or frozen with it (launched by hand, or by srun)
-            raise common.Hang(f"{what}, and the store does not answer: rank 0, whose process "
-                              "holds it, is gone or frozen", printer=None) from None
+            raise failsafe.Hang(f"{what}, and the store does not answer: rank 0, whose process "
+                                "holds it, is gone or frozen", printer=None) from None
         missing = [r for r in range(run.world_size) if r not in (arrived or [])
                    and not (lost and r in running)]
         time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others read
@@ -46,7 +46,7 @@ def named(run):
         named = ", ".join(f"{r} (node {where[r][1]})" if nodes else str(r) for r in missing)
         verb = ("is gone" if len(missing) == 1 else "are gone") if lost else "never arrived"
         store = "" if arrived else ", and the store does not answer"  # (it went with them)
-        raise common.Hang(f"{what}{store}: rank{'s' * (len(missing) > 1)} {named} {verb}",
+        raise failsafe.Hang(f"{what}{store}: rank{'s' * (len(missing) > 1)} {named} {verb}",
                           printer=min(set(range(run.world_size)) - set(missing))) from None
 
 

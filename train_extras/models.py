@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-import common
+import failsafe
 
 
 class Net(nn.Module):
@@ -48,8 +48,8 @@ def make(name, channels, classes):
         return Smooth(channels, classes)
     import torchvision  # only for its models: the cnn does without
     if name not in torchvision.models.list_models(module=torchvision.models):
-        raise common.UsageError(f"unknown --model {name!r}: use cnn or a torchvision "
-                                "classification model, e.g. resnet18")
+        raise failsafe.UsageError(f"unknown --model {name!r}: use cnn or a torchvision "
+                                  "classification model, e.g. resnet18")
     # googlenet and inception_v3 would return auxiliary outputs in training mode, which the loss
     # does not take
     extra = dict(aux_logits=False, init_weights=True) if name in ("googlenet", "inception_v3") \
@@ -77,7 +77,7 @@ def channels_and_classes(ds):
                                                       if isinstance(ds, TensorDataset) else
                                                       max(torch.as_tensor(y).item() for _, y in ds))
     if (classes := classes if isinstance(classes, int) else len(classes)) < 2:
-        raise common.UsageError(f"the data holds {classes} class: a classifier needs at least 2")
+        raise failsafe.UsageError(f"the data holds {classes} class: a classifier needs at least 2")
     return ds[0][0].shape[0], classes
 
 

@@ -5,7 +5,6 @@ import time
 
 import torch.distributed as dist
 
-import common
 
 
 def torchrun_store(rank, world_size, timeout):
@@ -18,11 +17,8 @@ def torchrun_store(rank, world_size, timeout):
     each rank in answer to a random token of that rank: no key left by an earlier attempt can answer
     it. Upstream: pytorch/pytorch#135712 (the shared store and restarts), #108158 (restart counts
     differ per node); remove this when init_process_group alone survives tests/test_cluster.py's
-    restarts."""
-    # torchrun's store is on a port the OS picked, but it tells the workers 0
-    if os.environ["MASTER_PORT"] == "0":
-        raise common.UsageError("MASTER_PORT=0 (torchrun --master_port=0): "
-                                "give a free port, or --standalone")
+    restarts. (MASTER_PORT=0, torchrun --master_port=0: refused before, by
+    failsafe.check_rendezvous.)"""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     hello = dist.PrefixStore("hello", store)

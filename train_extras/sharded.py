@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import common
+import failsafe
 
 KEEP = 2  # the newest complete folders kept
 
@@ -74,7 +75,7 @@ class Saver:
     def __init__(self, run):
         self.out_dir, self.rank, self.pending = run.out_dir, run.rank, None
         self.group = dist.new_group(backend="gloo") if run.args.async_save else None
-        common.STOP.unfinished_saves.append(self.wait)  # a stop ends the run once this one is whole
+        failsafe.STOP.unfinished_saves.append(self.wait)  # a stop ends once this one is whole
 
     def save(self, run, sums, rngs, blocking=False):
         """Every rank; rank 0's state dict also holds the rest of a last.pt. `blocking` (or a stop
@@ -93,7 +94,7 @@ class Saver:
         # what every rank holds alike (BatchNorm's statistics, which may differ mid-epoch):
         # rank 0's, as in last.pt
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        if self.group is None or blocking or common.STOP.agreed:
+        if self.group is None or blocking or failsafe.STOP.agreed:
             self.complete(lambda: dcp.save(state, checkpoint_id=tmp, planner=planner), tmp)
         else:
             self.pending = dcp.async_save(state, checkpoint_id=tmp, planner=planner,
@@ -112,7 +113,7 @@ class Saver:
             write()
         except CheckpointException as e:
             # (before the rmtree)
-            error = common.save_failed(tmp[:-len(".tmp")], next(iter(e.failures.values()))[0])
+            error = failsafe.save_failed(tmp[:-len(".tmp")], next(iter(e.failures.values()))[0])
             free_quietly(e)
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -147,7 +148,7 @@ def write_checksums(tmp, crcs):
             json.dump(crcs, f)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise common.save_failed(tmp[:-len(".tmp")], e) from None
+        raise failsafe.save_failed(tmp[:-len(".tmp")], e) from None
 
 
 def checksum(path):
@@ -176,10 +177,10 @@ def damaged(path, only=None, rank=0, world_size=1):
 
 def refuse_damaged(path, found):
     if found:
-        raise common.UsageError(f"{path} is damaged: {', '.join(found[:3])} no longer match"
-                                f"{'es' * (len(found) == 1)} the checksum saved with it (its "
-                                "bytes changed after the save: a bad copy, a disk, a network "
-                                "filesystem); give another checkpoint")
+        raise failsafe.UsageError(f"{path} is damaged: {', '.join(found[:3])} no longer match"
+                                  f"{'es' * (len(found) == 1)} the checksum saved with it (its "
+                                  "bytes changed after the save: a bad copy, a disk, a network "
+                                  "filesystem); give another checkpoint")
 
 
 def free_quietly(e):
@@ -210,7 +211,7 @@ def find(run):
     if args.resume == "auto":
         path = max(found + [last] * os.path.exists(last), key=lambda p: step(p, run), default=None)
     if path and os.path.isdir(path):
-        return common.drop_logged_row(run, read(path, run))
+        return failsafe.drop_logged_row(run, read(path, run))
     resume_file = argparse.Namespace(**{**vars(args), "resume": path or args.resume})  # auto: none
     return common.checkpoint_to_resume(dataclasses.replace(run, args=resume_file))
 
@@ -219,8 +220,21 @@ def refuse_folder(path):
     """Refuses a sharded checkpoint given to a script that reads only last.pt: one line that says
     how to make it one file (common.read_checkpoint)."""
     if os.path.exists(os.path.join(path, ".metadata")):
-        raise common.UsageError(f"{path} is a sharded checkpoint: make it one file with python -m "
-                                f"train_extras.sharded {path} last.pt")
+        raise failsafe.UsageError(f"{path} is a sharded checkpoint: make it one file with python "
+                                  f"-m train_extras.sharded {path} last.pt")
+
+
+def refuse_folders_only(run, found):
+    """Rank 0: refuses an --out-dir that holds fsdp_train.py's ckpt-<step> folders and no last.pt
+    (`found`: its checkpoints), in a script that reads last.pt alone (it has no --ckpt-format): a
+    fresh run would replace them, --resume auto would start afresh beside them. The line names
+    the conversion that makes them a last.pt (failsafe.check_out_dir)."""
+    if found and "last.pt" not in found and not hasattr(run.args, "ckpt_format"):
+        folder, last = os.path.join(run.out_dir, found[-1]), os.path.join(run.out_dir, "last.pt")
+        raise failsafe.UsageError(f"{run.out_dir} holds no last.pt but the {found[-1]} of "
+                                  f"fsdp_train.py: python -m train_extras.sharded {folder} {last} "
+                                  "makes it a last.pt that --resume auto continues, --overwrite "
+                                  "replaces it, or give another --out-dir")
 
 
 def read(path, run):
@@ -236,15 +250,15 @@ def read(path, run):
     shapes = {names[k][1]: torch.Size(m.size) for k, m in saved.state_dict_metadata.items()
               if names[k][0] == "model"}
     has_optimizer = ("optimizer", "param_groups") in {p[:2] for p in names.values()}
-    common.check_fits(path, {**meta, "optimizer": None} if has_optimizer else meta, shapes, run)
+    failsafe.check_fits(path, {**meta, "optimizer": None} if has_optimizer else meta, shapes, run)
     return {**meta, "sharded": path, "rank_buffers": "buffers" in {p[0] for p in names.values()}}
 
 
 def metadata(path):
     """A complete folder's DCP metadata; one line if it is not one."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise common.UsageError(f"{path} is not a complete sharded checkpoint (no .metadata): "
-                                "give another one")
+        raise failsafe.UsageError(f"{path} is not a complete sharded checkpoint (no .metadata): "
+                                  "give another one")
     return FileSystemReader(path).read_metadata()
 
 
@@ -255,9 +269,9 @@ def load(meta, run):
     seen = [None] * run.world_size
     dist.all_gather_object(seen, os.path.isdir(meta["sharded"]))
     if not all(seen):
-        raise common.UsageError(f"{meta['sharded']} is not there for rank(s) "
-                                f"{[r for r, s in enumerate(seen) if not s]}: a sharded checkpoint "
-                                "must be on a filesystem that every rank sees")
+        missing = [r for r, s in enumerate(seen) if not s]
+        raise failsafe.UsageError(f"{meta['sharded']} is not there for rank(s) {missing}: a "
+                                  "sharded checkpoint must be on a filesystem that every rank sees")
     # its files checked, a share on each rank
     found = [None] * run.world_size
     dist.all_gather_object(found, damaged(meta["sharded"], None, run.rank, run.world_size))
@@ -297,7 +311,7 @@ def to_folder(src, dst):
     """A last.pt as a folder, in this process: format_utils.torch_save_to_dcp, but read with
     weights_only=True (no code in the file runs)."""
     if os.path.exists(dst):
-        raise common.UsageError(f"{dst} exists: give a new folder")
+        raise failsafe.UsageError(f"{dst} exists: give a new folder")
     ckpt = common.read_checkpoint(src)
     dcp.save(ckpt, checkpoint_id=f"{dst}.tmp", no_dist=True)
     os.replace(f"{dst}.tmp", dst)
@@ -311,5 +325,5 @@ if __name__ == "__main__":
                  "(see its docstring)")
     try:
         (to_file if os.path.isdir(sys.argv[1]) else to_folder)(*sys.argv[1:])
-    except common.UsageError as e:
+    except failsafe.UsageError as e:
         sys.exit(f"error: {e}")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 
-import common
+import failsafe
 
 # the first release of each line with the fix; 3.12 and later never had the bug
 FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
@@ -44,10 +44,10 @@ def start(ds):
     context.set_forkserver_preload(sorted(m for m in imported if isinstance(m, str)
                                           and not m.startswith("_")))
     from multiprocessing import forkserver
-    common.start_resource_tracker()  # forkserver's own start would start it, in this process group
-    with common.stop_signals_blocked():  # deaf, as common.Loader starts every helper
-        forkserver.ensure_running()  # where fork_server made none: a fresh interpreter
-    return dict(multiprocessing_context=context)  # its workers: common.deaf, as every worker
+    # where fork_server made none: a fresh interpreter, deaf to the stop signals as every helper
+    # of the workers (the tracker first: forkserver's own start would start it in this group)
+    failsafe.start_deaf(forkserver.ensure_running)
+    return dict(multiprocessing_context=context)  # its workers: failsafe.init_worker, as every one
 
 
 def fork_server(args):
@@ -62,7 +62,7 @@ def fork_server(args):
     if hasattr(args, "dataset"):
         import torchvision.transforms.v2  # noqa: F401
     from multiprocessing import forkserver
-    common.start_resource_tracker()  # as forkserver's own start would: the workers share it
+    failsafe.start_resource_tracker()  # as forkserver's own start would: the workers share it
     # its socket in a folder of its own, which the server removes as it ends (the scripts end by
     # os._exit: multiprocessing's own pymp-* folder would stay in TMPDIR, one each run)
     folder = tempfile.mkdtemp(prefix="workers-")
@@ -76,7 +76,7 @@ def fork_server(args):
     alive_r, alive_w = os.pipe()  # it ends when this process does (its end of alive_w closes)
     if (pid := os.fork()) == 0:
         os.close(alive_w)
-        for sig in common.STOP_SIGNALS:  # the trainer's to act on; its workers inherit it
+        for sig in failsafe.STOP_SIGNALS:  # the trainer's to act on; its workers inherit it
             signal.signal(sig, signal.SIG_IGN)
         try:
             forkserver.main(listener.fileno(), alive_r, [])
