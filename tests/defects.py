@@ -95,6 +95,9 @@ DEFECTS = {  # name: (file, [(a text of it, what it becomes), ...], what the def
     "orphans_train_on": ("failsafe.py", [(
         "        if self.launcher and os.getppid() != self.launcher and not self.received:\n", "        if False:\n")],
         "workers whose torchrun is gone train on, with nobody to stop them"),
+    "own_ending_named": ("train_extras/hangs.py", [("        if lost and missing and ended == missing:",
+                                                     "        if False:")],
+                         "a rank that ended with its own line named as gone by the peers that lose it"),
     "lost_peer_unnamed": ("train_extras/hangs.py", [("        lost = failsafe.peer_lost(why)", "        lost = False")],
                           "a rank killed outright: the others do not name it"),
     "joining_unbounded": ("failsafe.py", [("    timer.start()\n", "")],

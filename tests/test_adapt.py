@@ -222,6 +222,26 @@ def test_a_trainer_killed_outright_leaves_no_worker_behind(tmp_path):
 
 
 @pytest.mark.full
+def test_an_error_of_the_copiers_model_on_one_rank_is_the_runs_one_report(tmp_path):
+    """The copier's model raises on rank 1 alone, at its third training forward; the ranks started by hand, rank 0
+    holding the store, hangs.py copied too: rank 1's traceback is the run's one report, and rank 0, which loses its
+    peer, ends without naming it (rank 1 marked in the store that it ended with its own line). Both exit 1; nothing
+    is saved."""
+    mistake = ("    def forward(self, x):\n"
+               "        self.calls = getattr(self, 'calls', 0) + self.training\n"
+               "        if self.calls == 3 and os.environ['RANK'] == '1':\n"
+               "            raise ValueError('my model: its own mistake')\n")
+    project = "import os\n" + MY_PROJECT.replace("    def forward(self, x):\n", mistake)
+    script = adapted_copy(tmp_path, project, extras=("hangs",))
+    p = run(script, "--epochs", 1, "--batch-size", 16, "--workers", 0, "--out-dir", tmp_path / "out",
+            launcher="ranks", nproc=2, check=False, timeout=120)
+    assert_exit(p, 1)
+    assert p.stderr.count("Traceback") == 1 and "ValueError: my model: its own mistake" in p.stderr, p.stderr
+    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [], p.stderr
+    assert not os.path.exists(tmp_path / "out" / "last.pt")
+
+
+@pytest.mark.full
 def test_a_sample_that_cannot_train_ends_every_rank_with_torchs_own_error(tmp_path):
     """A mistake in the copier's own Dataset (three values where the script unpacks two) surfaces as PyTorch's or
     Python's own error: every rank ends, none hangs, nothing is saved."""

@@ -217,7 +217,7 @@ def test_sigusr1_to_one_fsdp_worker_stops_every_rank_at_one_step_in_one_sharded_
     assert step is not None and PAUSE <= step <= NEXT_SAVE, p.stdout[-3000:]
     assert complete_sharded(out) == [4, step]
     ckpt = out / f"ckpt-{step}"
-    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks' parts
+    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json"]  # both parts
     assert sharded_position(ckpt, tmp_path) == step
     assert hooks.steps() == {0: step, 1: step}
     kept_groups(hooks, [0, 1])
@@ -389,7 +389,7 @@ def test_sigterm_during_a_background_sharded_save_waits_for_it_then_saves_at_the
     assert hooks.steps() == {0: step, 1: step}
     kept_groups(hooks, [0, 1])
     assert complete_sharded(out)[-2:] == [8, step]  # the newest complete checkpoint: the stop's, saved after the signal
-    assert sorted(os.listdir(out / f"ckpt-{step}")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(out / f"ckpt-{step}")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json"]
     assert sharded_position(out / f"ckpt-{step}", tmp_path) == step
     assert temporary(out) == []  # the background save finished too
     log = run("fsdp_train.py", *SHARDED, "--out-dir", out, "--resume", "auto", launcher="torchrun", nproc=2).stdout

@@ -1,7 +1,9 @@
 """A collective that timed out names the ranks that never arrived, and one whose peer's process
 is gone (killed outright: its connection closed) names the ranks that are gone (torch's errors name
-neither the collective nor the rank): the scripts' `with common.extra("hangs").named(run)` uses
-this where the file is. Without it, every rank still ends, with torch's own error and exit 3."""
+neither the collective nor the rank), but a rank that ended with a line of its own (bad input, an
+error in the code): it marks that in the store as it ends, and the peers that lose it end silently.
+The scripts' `with common.extra("hangs").named(run)` uses this where the file is. Without it, every
+rank still ends, with torch's own error and exit 3."""
 import contextlib
 import os
 import socket
@@ -23,11 +25,14 @@ def named(run):
         dist.all_gather_object(where, (socket.gethostname(), node, os.getpid()))
     try:
         yield
-    except RuntimeError as e:
+    except Exception as e:
         why = str(e).lower().replace("timeout", "timed out")
         lost = failsafe.peer_lost(why)  # a peer's process is gone (else: it stopped answering)
-        if run.world_size == 1 or not (lost or "timed out" in why) or "dataloader" in why \
-                or failsafe.STOP.paused() or lost and failsafe.STOP.agreed:  # (failsafe.ending's)
+        if run.world_size == 1 or failsafe.STOP.paused() or lost and failsafe.STOP.agreed:
+            raise  # (failsafe.ending's)
+        if not isinstance(e, RuntimeError) or not (lost or "timed out" in why) \
+                or "dataloader" in why:
+            within(1, lambda: mark(run, "ended"))  # its own ending: a peer losing it says nothing
             raise
         what = "a peer's connection closed" if lost else "a collective timed out"
         arrived = within(10, lambda: mark_and_read(run))
@@ -41,6 +46,9 @@ def named(run):
                                 "holds it, is gone or frozen", printer=None) from None
         missing = [r for r in range(run.world_size) if r not in (arrived or [])
                    and not (lost and r in running)]
+        ended = within(1, lambda: [r for r in missing if marked(run, "ended", r)])
+        if lost and missing and ended == missing:  # each ended with its own line: said already
+            raise failsafe.Failed(f"{what}: a peer ended", printer=-1) from None
         time.sleep(5 if run.rank == 0 else 0)  # rank 0's process holds the store: the others read
         nodes = len({node for _, node, _ in where}) > 1
         named = ", ".join(f"{r} (node {where[r][1]})" if nodes else str(r) for r in missing)
@@ -63,15 +71,31 @@ def gone(pid):
 
 
 def mark_and_read(run):
-    """Marks this rank in the store the ranks met on, under its key prefix (restart.py's attempts
-    included), and returns the ranks marked 5 s later; None if the store fails. (torch has no public
-    name for that store: pytorch/pytorch#151960)"""
+    """Marks this rank in the store the ranks met on, and returns the ranks marked 5 s later; None
+    if the store fails."""
+    if not mark(run, "hung"):
+        return None
+    time.sleep(5)  # the other ranks' waits run out at about the same time
+    marks = [marked(run, "hung", r) for r in range(run.world_size)]
+    return None if None in marks else [r for r, m in enumerate(marks) if m]
+
+
+def mark(run, what):
+    """Marks this rank as `what` in the store the ranks met on, under its key prefix (restart.py's
+    attempts included); False if the store fails. (torch has no public name for that store:
+    pytorch/pytorch#151960)"""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"hung/{run.rank}", "")
-        time.sleep(5)  # the other ranks' waits run out at about the same time
-        return [r for r in range(run.world_size) if store.check([f"hung/{r}"])]
+        dist.distributed_c10d._get_default_store().set(f"{what}/{run.rank}", "")
+        return True
     except Exception:  # noqa: BLE001 whatever the store raises: it went with rank 0
+        return False
+
+
+def marked(run, what, rank):
+    """Whether `rank` marked itself as `what`; None if the store fails."""
+    try:
+        return dist.distributed_c10d._get_default_store().check([f"{what}/{rank}"])
+    except Exception:  # noqa: BLE001 (as mark's)
         return None
 
 
