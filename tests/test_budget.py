@@ -19,7 +19,7 @@ from processes import ROOT, command
 # Set by "A tiny common.py": what a copier reads to adapt a model and data, common.py, at most 560 lines and 4,000 code
 # tokens; each script with it 6,500 (fsdp_train.py 7,200); and what a copier carries, common.py with failsafe.py (what
 # a run does because it may stop or fail), 7,500, so that moving code out of common.py is never a free way around the
-# budget. Measured at the split: common.py 3,919 tokens and 560 lines, failsafe.py 3,564, the scripts 1,893 to 3,118
+# budget. Measured at the split: common.py 3,919 tokens and 560 lines, failsafe.py 3,573, the scripts 1,893 to 3,118
 # (before it, common.py alone held 7,848 tokens and 1,210 lines). Raising a limit is for an issue to decide.
 CORE_TOKENS, CORE_LINES = 4_000, 560  # common.py
 PAIR_TOKENS = {"dp_train.py": 6_500, "ddp_launch_train.py": 6_500, "ddp_spawn_train.py": 6_500,
