@@ -160,8 +160,11 @@ def test_torchrun_names_a_stuck_rank_0_and_every_process_ends(tmp_path):
 # a rank frozen (SIGSTOP: not even a signal's note reaches it) while the ranks evaluate, their evaluation's DataLoader
 # workers reading an ImageFolder: the other rank's collective times out, and torchrun's SIGKILL ends the frozen rank's
 # whole process group, its workers too, at the end of its grace period
+# --step-timeout bounds each batch's wait for the DataLoader workers too, the first included, which waits for their
+# start: from a fork server (Python 3.14's default), over 5 s on a 2-core machine whose speed probe is 0.5 s
+STEP_TIMEOUT = 10
 FROZEN = ["--dataset", "imagefolder", "--image-size", 16, "--workers", 2, "--batch-size", 8, "--epochs", 2,
-          "--step-timeout", 5]
+          "--step-timeout", STEP_TIMEOUT]
 EVAL_S = 1  # seconds per evaluation batch: 2 batches of the 21 images on each rank
 GRACE, NAMING = 30, 5  # torchrun's grace period after a failed worker; hangs.py's wait for every stuck rank's mark
 
@@ -190,7 +193,7 @@ def test_a_rank_frozen_while_the_ranks_evaluate_with_workers_ends_the_run_within
         log = proc.output()
     finally:
         proc.kill()
-    bound = 2 * EVAL_S + 5 + NAMING + GRACE
+    bound = 2 * EVAL_S + STEP_TIMEOUT + NAMING + GRACE
     measured("a frozen rank with workers: seconds from the freeze to torchrun's exit", seconds, bound + 15)
     assert seconds < bound + 15, log[-4000:]
     assert len(named(1).findall(log)) == 1 and len(errors(log)) == 1, log[-4000:]
