@@ -164,7 +164,7 @@ class Net(nn.Module):
 # steps could be (`normalize`, `loader`): none is taken for one of them
 MINE_UINT8 = MINE_TEXT.replace("        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]\n",
                                "        self.x[marks] = self.y[:, None].expand(n, LENGTH)[marks]\n"
-                               "        self.x, self.normalize, self.loader = self.x.to(torch.uint8), False, open\n"
+                               "        self.x, self.normalize, self.loader = self.x.to(torch.uint8), str.lower, open\n"
                                "        self.normalize_uint8 = None\n"
                                ).replace("tokens.dtype == torch.int64", "tokens.dtype == torch.uint8"
                                          ).replace("self.embed(tokens)", "self.embed(tokens.long())")
@@ -739,7 +739,8 @@ def sharded_final(out, tmp_path):
 
 @pytest.mark.full
 def test_a_datasets_own_normalize_attribute_is_not_taken_for_the_built_in_datasets_step(tmp_path):
-    """uint8 tokens from a Dataset that holds `normalize = False` (and `loader = open`): trained as they are."""
+    """uint8 tokens from a Dataset that holds a `normalize` of its own (a callable for its text, str.lower) and
+    `loader = open`: trained as they are, neither called."""
     folder, out = copy_alone(tmp_path / "project", "ddp_launch_train.py", MINE_UINT8), tmp_path / "run"
     assert "self.normalize" in (folder / "mine.py").read_text()
     p = ok(launch(folder, "ddp_launch_train.py", "--epochs", 2, "--batch-size", 16, "--optimizer", "adamw", "--lr",
