@@ -140,6 +140,8 @@ def first_failure(output):
     for line in output.splitlines():
         if line.startswith(("FAILED ", "ERROR ")):
             return line.split(" ", 1)[1].split(" - ")[0]
+    if "the tests left these behind, which fails the run" in output:  # (conftest.py's check after the session)
+        return "the session's check of what the tests left behind"
     return None
 
 
